@@ -1,0 +1,81 @@
+// CPU kernels of `encode_signatures` (per-head MLP -> sign -> packed bits) and `pack_signs`.
+//
+// The MLP is a handful of batched matrix products, so the CPU version runs them through
+// ATen in float32 (oneDNN/OpenBLAS do that well); the part written here is the sign-and-pack
+// step, parallel over rows.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "op_arguments.h"
+#include "signature_packing.h"
+
+namespace hashattention {
+
+namespace {
+
+void apply_activation_(at::Tensor& h, const std::string& activation) {
+  if (activation == "silu") {
+    at::silu_(h);
+  } else if (activation == "relu") {
+    at::relu_(h);
+  } else if (activation == "gelu") {
+    h = at::gelu(h);
+  } else if (activation == "tanh") {
+    at::tanh_(h);
+  }  // "identity": nothing to do
+}
+
+// values: contiguous (rows, bits) -> int32 (rows, bits / 32)
+at::Tensor pack_rows_cpu(const at::Tensor& values, int64_t rows, int64_t bits) {
+  const int64_t words = bits / 32;
+  at::Tensor out = at::empty({rows, words}, values.options().dtype(at::kInt));
+  if (rows == 0) return out;
+  int32_t* dst = out.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "pack_signs_cpu", [&] {
+    const scalar_t* src = values.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * words, 2048, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dst[i] = pack_word(src + i * 32);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor pack_signs_cpu(const at::Tensor& values) {
+  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
+                   values.scalar_type());
+  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (..., bits)");
+  const int64_t bits = values.size(-1);
+  TORCH_CHECK_VALUE(bits > 0 && bits % 32 == 0, "values last dimension (bits) must be a positive multiple ",
+                    "of 32, got ", bits);
+  const at::Tensor contiguous = values.contiguous();
+  const int64_t rows = bits == 0 ? 0 : contiguous.numel() / bits;
+  auto out_shape = values.sizes().vec();
+  out_shape.back() = bits / 32;
+  return pack_rows_cpu(contiguous, rows, bits).view(out_shape);
+}
+
+at::Tensor encode_signatures_cpu(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                                 c10::string_view activation_view) {
+  const std::string activation(activation_view);
+  const EncodeDims dims = check_encode_args(x, weights.vec(), biases.vec(), activation);
+  at::Tensor h = x.to(at::kFloat);  // (B, H, N, in)
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor w = weights[i].to(at::kFloat).unsqueeze(0);              // (1, H, in, out)
+    const at::Tensor b = biases[i].to(at::kFloat).unsqueeze(0).unsqueeze(2);  // (1, H, 1, out)
+    h = at::matmul(h, w).add_(b);
+    if (i + 1 < weights.size()) apply_activation_(h, activation);
+  }
+  h = h.contiguous();
+  const int64_t rows = dims.batch * dims.heads * dims.tokens;
+  return pack_rows_cpu(h, rows, dims.bits).view({dims.batch, dims.heads, dims.tokens, dims.words});
+}
+
+TORCH_LIBRARY_IMPL(hashattention, CPU, m) {
+  m.impl("encode_signatures", &encode_signatures_cpu);
+  m.impl("pack_signs", &pack_signs_cpu);
+}
+
+}  // namespace hashattention

@@ -1,0 +1,220 @@
+#include "op_arguments.h"
+
+#include <limits>
+
+#include "checks.h"
+
+namespace hashattention {
+
+namespace {
+constexpr int64_t kMaxWords = 32;  // 1024-bit signatures at most
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+bool is_known_activation(const std::string& a) {
+  return a == "silu" || a == "relu" || a == "gelu" || a == "tanh" || a == "identity";
+}
+}  // namespace
+
+EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                             const std::vector<at::Tensor>& biases, const std::string& activation) {
+  check_floating(x, "x");
+  check_dim(x, 4, "x", "(batch, heads, tokens, input_dim)");
+  check_nonempty_batch(x.size(0), "x");
+  TORCH_CHECK_VALUE(!weights.empty(), "weights must hold at least one layer, got an empty list");
+  TORCH_CHECK_VALUE(weights.size() == biases.size(), "weights and biases must have one entry per layer, got ",
+                    weights.size(), " weights and ", biases.size(), " biases");
+  TORCH_CHECK_VALUE(is_known_activation(activation), "activation must be one of 'silu', 'relu', 'gelu', ",
+                    "'tanh', 'identity', got '", activation, "'");
+  const int64_t heads = x.size(1);
+  int64_t width = x.size(3);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto wname = "weights[" + std::to_string(i) + "]";
+    const auto bname = "biases[" + std::to_string(i) + "]";
+    const at::Tensor& w = weights[i];
+    const at::Tensor& b = biases[i];
+    check_floating(w, wname.c_str());
+    check_floating(b, bname.c_str());
+    check_same_device(w, x, wname.c_str(), "x");
+    check_same_device(b, x, bname.c_str(), "x");
+    check_dim(w, 3, wname.c_str(), "(heads, in_features, out_features)");
+    TORCH_CHECK_VALUE(w.size(0) == heads, wname, " must have one matrix per head (", heads,
+                      " heads in x), got shape ", w.sizes());
+    TORCH_CHECK_VALUE(w.size(1) == width, wname, " must have in_features = ", width,
+                      (i == 0 ? " (the last dimension of x)" : " (out_features of the previous layer)"),
+                      ", got shape ", w.sizes());
+    TORCH_CHECK_VALUE(w.size(2) > 0, wname, " must have out_features >= 1, got shape ", w.sizes());
+    width = w.size(2);
+    TORCH_CHECK_VALUE(b.dim() == 2 && b.size(0) == heads && b.size(1) == width, bname,
+                      " must have shape (heads, out_features) = (", heads, ", ", width, "), got ", b.sizes());
+  }
+  TORCH_CHECK_VALUE(width % 32 == 0, "the last layer's out_features (the signature bits) must be a ",
+                    "multiple of 32, got ", width);
+  return EncodeDims{x.size(0), heads, x.size(2), x.size(3), width, width / 32};
+}
+
+HammingDims check_hamming_args(const at::Tensor& q, const at::Tensor& k, int64_t selection_heads) {
+  check_int32(q, "query_signatures");
+  check_int32(k, "key_signatures");
+  check_dim(q, 4, "query_signatures", "(batch, query_heads, rows, words)");
+  check_dim(k, 4, "key_signatures", "(batch, key_heads, keys, words)");
+  check_same_device(k, q, "key_signatures", "query_signatures");
+  check_nonempty_batch(q.size(0), "query_signatures");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "key_signatures batch (", k.size(0),
+                    ") must equal query_signatures batch (", q.size(0), ")");
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3), "key_signatures words (", k.size(3),
+                    ") must equal query_signatures words (", q.size(3), ")");
+  TORCH_CHECK_VALUE(q.size(3) >= 1 && q.size(3) <= kMaxWords, "signatures must have 1 to ", kMaxWords,
+                    " int32 words (32 to 1024 bits), got ", q.size(3));
+  const int64_t hq = q.size(1), hk = k.size(1);
+  TORCH_CHECK_VALUE(hq >= 1 && hk >= 1 && hq % hk == 0, "key_signatures heads (", hk,
+                    ") must divide query_signatures heads (", hq,
+                    "): one key head per query head, or one per KV group");
+  TORCH_CHECK_VALUE(selection_heads >= 1 && hq % selection_heads == 0, "selection_heads (",
+                    selection_heads, ") must divide query_signatures heads (", hq,
+                    "): use the query heads (per-head selection) or the KV heads (group-shared)");
+  check_last_dim_contiguous(q, "query_signatures");
+  check_last_dim_contiguous(k, "key_signatures");
+  return HammingDims{q.size(0), hq, hk, selection_heads, q.size(2), k.size(2), q.size(3)};
+}
+
+SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
+                                   const std::optional<at::Tensor>& start_positions,
+                                   const std::optional<at::Tensor>& budgets, int64_t batch,
+                                   const at::Tensor& ref, const char* ref_name, int64_t sink,
+                                   int64_t local, int64_t budget) {
+  TORCH_CHECK_VALUE(sink >= 0 && sink <= kInt32Max, "sink_tokens must be in [0, 2^31 - 1], got ", sink);
+  TORCH_CHECK_VALUE(local >= 0 && local <= kInt32Max, "local_tokens must be in [0, 2^31 - 1], got ", local);
+  TORCH_CHECK_VALUE(budget >= 0 && budget <= kInt32Max, "budget_tokens must be in [0, 2^31 - 1], got ",
+                    budget);
+  TORCH_CHECK_VALUE(sink + local + budget >= 1,
+                    "sink_tokens + local_tokens + budget_tokens must be >= 1 (nothing would be selected)");
+  TORCH_CHECK_VALUE(sink + local + budget <= kInt32Max, "sink_tokens + local_tokens + budget_tokens (",
+                    sink + local + budget, ") is the output width and must fit in int32");
+  check_per_sequence(lengths, batch, ref, "lengths", ref_name);
+  check_per_sequence(start_positions, batch, ref, "start_positions", ref_name);
+  check_per_sequence(budgets, batch, ref, "budgets", ref_name);
+  return SelectionArgs{sink, local, budget};
+}
+
+void check_selection_values(const std::optional<at::Tensor>& lengths,
+                            const std::optional<at::Tensor>& start_positions, int64_t keys) {
+  const int64_t batch = lengths.has_value() ? lengths->size(0)
+                        : start_positions.has_value() ? start_positions->size(0)
+                                                      : 0;
+  const at::Tensor len = lengths.has_value() ? lengths->contiguous() : at::Tensor();
+  const at::Tensor st = start_positions.has_value() ? start_positions->contiguous() : at::Tensor();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = lengths.has_value() ? len.data_ptr<int32_t>()[b] : keys;
+    TORCH_CHECK_VALUE(length >= 0 && length <= keys, "lengths[", b, "] = ", length,
+                      " must be in [0, N] where N = ", keys, " is the number of cached keys");
+    if (start_positions.has_value()) {
+      const int64_t s = st.data_ptr<int32_t>()[b];
+      TORCH_CHECK_VALUE(s >= 0 && s <= length, "start_positions[", b, "] = ", s,
+                        " must be in [0, lengths[", b, "]] = [0, ", length, "]");
+    }
+  }
+}
+
+AttentionDims check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache, const at::Tensor& indices,
+                                   const std::optional<at::Tensor>& counts,
+                                   const std::optional<at::Tensor>& block_table) {
+  check_floating(query, "query");
+  check_dim(query, 4, "query", "(batch, query_heads, rows, head_dim)");
+  check_nonempty_batch(query.size(0), "query");
+  check_last_dim_contiguous(query, "query");
+  TORCH_CHECK_TYPE(key_cache.scalar_type() == query.scalar_type(), "key_cache must have the query's dtype (",
+                   query.scalar_type(), "), got ", key_cache.scalar_type());
+  TORCH_CHECK_TYPE(value_cache.scalar_type() == query.scalar_type(),
+                   "value_cache must have the query's dtype (", query.scalar_type(), "), got ",
+                   value_cache.scalar_type());
+  check_same_device(key_cache, query, "key_cache", "query");
+  check_same_device(value_cache, query, "value_cache", "query");
+  check_same_device(indices, query, "indices", "query");
+  check_last_dim_contiguous(key_cache, "key_cache");
+  check_last_dim_contiguous(value_cache, "value_cache");
+
+  const int64_t batch = query.size(0), hq = query.size(1), rows = query.size(2), d = query.size(3);
+  TORCH_CHECK_VALUE(is_supported_head_dim(d), "query head_dim must be 64, 128 or 256, got ", d);
+  const bool paged = block_table.has_value();
+  const char* layout = paged ? "(num_pages, page_size, kv_heads, head_dim) with a block_table"
+                             : "(batch, kv_heads, keys, head_dim)";
+  check_dim(key_cache, 4, "key_cache", layout);
+  check_dim(value_cache, 4, "value_cache", layout);
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+                    " must equal key_cache shape ", key_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.size(3) == d, "key_cache head_dim (", key_cache.size(3),
+                    ") must equal query head_dim (", d, ")");
+  int64_t hkv, keys, page_size;
+  if (paged) {
+    const at::Tensor& bt = *block_table;
+    check_int32(bt, "block_table");
+    check_same_device(bt, query, "block_table", "query");
+    TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == batch, "block_table must have shape (batch, max_pages) ",
+                      "with batch = ", batch, ", got ", bt.sizes());
+    page_size = key_cache.size(1);
+    TORCH_CHECK_VALUE(page_size >= 1, "key_cache page_size (dimension 1) must be >= 1");
+    hkv = key_cache.size(2);
+    keys = bt.size(1) * page_size;
+  } else {
+    TORCH_CHECK_VALUE(key_cache.size(0) == batch, "key_cache batch (", key_cache.size(0),
+                      ") must equal query batch (", batch, ")");
+    hkv = key_cache.size(1);
+    keys = key_cache.size(2);
+    page_size = 1;
+  }
+  TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "KV heads (", hkv, ") must divide query heads (", hq, ")");
+
+  check_int32(indices, "indices");
+  check_dim(indices, 4, "indices", "(batch, selection_heads, rows, width)");
+  check_last_dim_contiguous(indices, "indices");
+  TORCH_CHECK_VALUE(indices.size(0) == batch && indices.size(2) == rows, "indices must have shape (batch=",
+                    batch, ", selection_heads, rows=", rows, ", width), got ", indices.sizes());
+  const int64_t hs = indices.size(1);
+  TORCH_CHECK_VALUE(hs >= 1 && hq % hs == 0, "indices selection_heads (", hs, ") must divide query heads (",
+                    hq, ")");
+  if (counts.has_value()) {
+    check_int32(*counts, "counts");
+    check_same_device(*counts, query, "counts", "query");
+    TORCH_CHECK_VALUE(counts->dim() == 3 && counts->size(0) == batch && counts->size(1) == hs &&
+                          counts->size(2) == rows,
+                      "counts must have shape (batch, selection_heads, rows) = (", batch, ", ", hs, ", ",
+                      rows, "), got ", counts->sizes());
+  }
+  return AttentionDims{batch, hq, hkv, hs, rows, d, indices.size(3), paged, keys, page_size};
+}
+
+void check_attention_values(const AttentionDims& dims, const at::Tensor& key_cache,
+                            const at::Tensor& indices, const std::optional<at::Tensor>& counts,
+                            const std::optional<at::Tensor>& block_table) {
+  const at::Tensor idx = indices.contiguous();
+  const at::Tensor cnt = counts.has_value() ? counts->contiguous() : at::Tensor();
+  const at::Tensor bt = block_table.has_value() ? block_table->contiguous() : at::Tensor();
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  const int64_t row_count = dims.batch * dims.selection_heads * dims.rows;
+  const int64_t pages = dims.paged ? key_cache.size(0) : 0;
+  const int64_t max_pages = dims.paged ? bt.size(1) : 0;
+  for (int64_t r = 0; r < row_count; ++r) {
+    int64_t used = dims.width;
+    if (counts.has_value()) {
+      used = cnt.data_ptr<int32_t>()[r];
+      TORCH_CHECK_VALUE(used >= 0 && used <= dims.width, "counts must be in [0, width=", dims.width,
+                        "], got ", used, " at flat row ", r);
+    }
+    const int64_t b = r / (dims.selection_heads * dims.rows);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t p = ip[r * dims.width + j];
+      if (p < 0 && !counts.has_value()) continue;  // -1 padding is skipped when counts are absent
+      TORCH_CHECK_VALUE(p >= 0 && p < dims.keys, "indices must be in [0, ", dims.keys, ") for the ",
+                        (dims.paged ? "paged cache (max_pages * page_size)" : "cache length N"), ", got ", p,
+                        " at flat row ", r, ", entry ", j);
+      if (dims.paged) {
+        const int64_t page = bt.data_ptr<int32_t>()[b * max_pages + p / dims.page_size];
+        TORCH_CHECK_VALUE(page >= 0 && page < pages, "block_table[", b, ", ", p / dims.page_size, "] = ", page,
+                          " must be in [0, num_pages=", pages, ")");
+      }
+    }
+  }
+}
+
+}  // namespace hashattention

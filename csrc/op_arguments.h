@@ -1,0 +1,60 @@
+// Validation of each op's arguments, shared by the CPU and CUDA implementations so that
+// both reject exactly the same inputs with the same messages. Only checks that need no
+// device data live here; value checks that read tensors (lengths <= N, index ranges) are
+// done by the CPU kernels alone, since reading device memory would force a host sync.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace hashattention {
+
+struct EncodeDims {
+  int64_t batch, heads, tokens, input_dim, bits, words;
+};
+EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                             const std::vector<at::Tensor>& biases, const std::string& activation);
+
+struct HammingDims {
+  int64_t batch, query_heads, key_heads, selection_heads, rows, keys, words;
+  int64_t heads_per_selection() const { return query_heads / selection_heads; }
+  int64_t query_heads_per_key_head() const { return query_heads / key_heads; }
+  // Largest score a row can reach: bits per head times the heads summed into it.
+  int64_t max_score() const { return 32 * words * heads_per_selection(); }
+};
+HammingDims check_hamming_args(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
+                               int64_t selection_heads);
+
+struct SelectionArgs {
+  int64_t sink, local, budget;
+  int64_t width() const { return sink + local + budget; }
+};
+SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
+                                   const std::optional<at::Tensor>& start_positions,
+                                   const std::optional<at::Tensor>& budgets, int64_t batch,
+                                   const at::Tensor& ref, const char* ref_name, int64_t sink_tokens,
+                                   int64_t local_tokens, int64_t budget_tokens);
+// CPU only: lengths in [0, keys], start in [0, length].
+void check_selection_values(const std::optional<at::Tensor>& lengths,
+                            const std::optional<at::Tensor>& start_positions, int64_t keys);
+
+struct AttentionDims {
+  int64_t batch, query_heads, kv_heads, selection_heads, rows, head_dim, width;
+  bool paged;
+  int64_t keys;       // HF layout: N; paged: max_pages * page_size (logical positions)
+  int64_t page_size;  // 1 for the HF layout
+};
+AttentionDims check_attention_args(const at::Tensor& query, const at::Tensor& key_cache,
+                                   const at::Tensor& value_cache, const at::Tensor& indices,
+                                   const std::optional<at::Tensor>& counts,
+                                   const std::optional<at::Tensor>& block_table);
+// CPU only: every used index in [0, keys) and every used block-table entry in [0, pages).
+void check_attention_values(const AttentionDims& dims, const at::Tensor& key_cache,
+                            const at::Tensor& indices, const std::optional<at::Tensor>& counts,
+                            const std::optional<at::Tensor>& block_table);
+
+}  // namespace hashattention

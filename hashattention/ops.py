@@ -1,0 +1,247 @@
+"""Documented wrappers of ``torch.ops.hashattention.*``, with their fake kernels beside them.
+
+The fake (meta) kernels compute output shapes only; they let the ops run under
+``torch.compile`` and inside CUDA graphs. Every argument check lives in the C++ kernels
+(``csrc/op_arguments.cpp``), shared by all devices, so the wrappers below add nothing but
+documentation and defaults.
+
+Conventions used throughout:
+
+* ``B`` batch, ``Hq`` query heads, ``Hkv`` KV heads, ``Hk`` key-signature heads (``Hq`` or
+  ``Hkv``), ``Hs`` selection heads (``Hq``: each query head selects its own tokens; ``Hkv``:
+  the query heads of a KV group share one selection), ``L`` query rows in the chunk,
+  ``N`` cached keys, ``D`` head dim, ``W`` int32 words per signature (bits = 32 W).
+* Query head ``h`` uses key-signature head ``h // (Hq // Hk)``, selection head
+  ``h // (Hq // Hs)`` and KV head ``h // (Hq // Hkv)``.
+* Row ``l`` of a chunk of ``L`` query rows sits at position ``length - L + l`` and is causal.
+* Index-like tensors (lengths, start positions, budgets, indices, counts, block tables)
+  are int32; per-sequence ones have shape ``(B,)`` and stay on the device (never read on
+  the host by the CUDA kernels; the CPU kernels validate their values).
+
+Errors: shape and value problems raise ``ValueError``, dtype problems ``TypeError``; each
+message names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+ACTIVATIONS = ("silu", "relu", "gelu", "tanh", "identity")
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def encode_signatures(
+    x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], activation: str = "silu"
+) -> Tensor:
+    """Per-head MLP -> sign -> bits packed into int32 words.
+
+    Args:
+        x: ``(B, H, N, D)`` float32/float16/bfloat16 -- queries or keys, one MLP per head.
+        weights: per layer ``(H, in_features, out_features)`` (note: ``x @ W``, not
+            ``nn.Linear``'s ``[out, in]``); the first ``in_features`` is ``D``, the last
+            ``out_features`` (the signature bits) a multiple of 32. Any float dtype.
+        biases: per layer ``(H, out_features)``.
+        activation: applied between layers (not after the last): ``"silu"`` (default),
+            ``"relu"``, ``"gelu"``, ``"tanh"`` or ``"identity"``.
+
+    Returns:
+        int32 ``(B, H, N, bits // 32)``: bit ``j`` of word ``w`` is 1 iff output unit
+        ``32 w + j`` of the MLP is > 0.
+
+    The CPU kernel computes in float32; values within rounding error of 0 may get either bit
+    on different devices.
+    """
+    return torch.ops.hashattention.encode_signatures.default(x, list(weights), list(biases), activation)
+
+
+@torch.library.register_fake("hashattention::encode_signatures")
+def _encode_signatures_fake(x, weights, biases, activation="silu"):
+    bits = weights[-1].shape[-1]
+    return x.new_empty((*x.shape[:-1], bits // 32), dtype=torch.int32)
+
+
+def pack_signs(values: Tensor) -> Tensor:
+    """Pack signs computed elsewhere: float ``(..., bits)`` -> int32 ``(..., bits // 32)``.
+
+    Bit ``j`` of word ``w`` is 1 iff ``values[..., 32 w + j] > 0`` (zero and NaN give 0).
+    ``bits`` must be a positive multiple of 32.
+    """
+    return torch.ops.hashattention.pack_signs.default(values)
+
+
+@torch.library.register_fake("hashattention::pack_signs")
+def _pack_signs_fake(values):
+    return values.new_empty((*values.shape[:-1], values.shape[-1] // 32), dtype=torch.int32)
+
+
+def hamming_scores(query_signatures: Tensor, key_signatures: Tensor, selection_heads: int) -> Tensor:
+    """Hamming similarity of every query row to every key, for research and evaluation.
+
+    Args:
+        query_signatures: int32 ``(B, Hq, L, W)``.
+        key_signatures: int32 ``(B, Hk, N, W)`` with ``Hk`` dividing ``Hq`` (``Hq``: per query
+            head as in the paper; ``Hkv``: one signature per KV head).
+        selection_heads: ``Hs``, dividing ``Hq``. ``Hs = Hq`` scores each query head alone;
+            ``Hs < Hq`` sums the scores of the ``Hq // Hs`` query heads of each group.
+
+    Returns:
+        int32 ``(B, Hs, L, N)``: ``sum over the group's heads of (32 W - popcount(q XOR k))``,
+        in ``[0, 32 W Hq / Hs]``; higher is more similar. No causal or length masking is
+        applied. The decode path uses :func:`hamming_topk`, which never writes this tensor.
+    """
+    return torch.ops.hashattention.hamming_scores.default(query_signatures, key_signatures, selection_heads)
+
+
+@torch.library.register_fake("hashattention::hamming_scores")
+def _hamming_scores_fake(query_signatures, key_signatures, selection_heads):
+    batch, _, rows, _ = query_signatures.shape
+    keys = key_signatures.shape[2]
+    return query_signatures.new_empty((batch, selection_heads, rows, keys), dtype=torch.int32)
+
+
+def hamming_topk(
+    query_signatures: Tensor,
+    key_signatures: Tensor,
+    *,
+    selection_heads: int,
+    sink_tokens: int,
+    local_tokens: int,
+    budget_tokens: int,
+    lengths: Optional[Tensor] = None,
+    start_positions: Optional[Tensor] = None,
+    budgets: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Fused Hamming scoring and exact top-k selection with sink and local windows.
+
+    For each (batch ``b``, selection head ``s``, query row ``l``) the row's position is
+    ``p = lengths[b] - L + l`` and its selectable range is ``[start, p]`` with
+    ``start = start_positions[b]``. It selects
+
+    * the sink window ``[start, start + sink_tokens)``,
+    * the local window: the latest ``local_tokens`` positions up to ``p``,
+    * the ``m`` best remaining positions by :func:`hamming_scores` similarity, where
+      ``m = min(budget_tokens, budgets[b])`` (``budgets`` values are clamped to
+      ``[0, budget_tokens]``); ties go to the later position.
+
+    Args:
+        query_signatures: int32 ``(B, Hq, L, W)``.
+        key_signatures: int32 ``(B, Hk, N, W)`` (``Hk`` divides ``Hq``); only the first
+            ``lengths[b]`` keys of each sequence are read.
+        selection_heads: ``Hs`` (``Hq`` or ``Hkv``; any divisor of ``Hq``).
+        sink_tokens, local_tokens, budget_tokens: non-negative; their sum ``K`` is the fixed
+            output width (``budget_tokens`` is static: it sets the output shape).
+        lengths: int32 ``(B,)`` valid keys per sequence, in ``[0, N]``; default ``N``.
+        start_positions: int32 ``(B,)`` left-padding offsets, in ``[0, lengths[b]]``;
+            positions before it are never selected; default 0.
+        budgets: int32 ``(B,)`` per-sequence heavy budget (clamped to ``[0, budget_tokens]``),
+            e.g. computed on the device from the current length so CUDA graphs stay valid.
+
+    Returns:
+        ``(indices, counts)``: int32 ``(B, Hs, L, K)`` positions in ascending order, padded
+        with -1 after the first ``counts[b, s, l]`` entries; int32 ``(B, Hs, L)`` counts.
+        With ``budget_tokens >= N`` every causal, non-padding position is selected.
+    """
+    return torch.ops.hashattention.hamming_topk.default(
+        query_signatures,
+        key_signatures,
+        lengths,
+        start_positions,
+        budgets,
+        selection_heads,
+        sink_tokens,
+        local_tokens,
+        budget_tokens,
+    )
+
+
+@torch.library.register_fake("hashattention::hamming_topk")
+def _hamming_topk_fake(
+    query_signatures, key_signatures, lengths, start_positions, budgets, selection_heads, sink, local, budget
+):
+    batch, _, rows, _ = query_signatures.shape
+    width = sink + local + budget
+    indices = query_signatures.new_empty((batch, selection_heads, rows, width), dtype=torch.int32)
+    counts = query_signatures.new_empty((batch, selection_heads, rows), dtype=torch.int32)
+    return indices, counts
+
+
+def topk_from_scores(
+    scores: Tensor,
+    *,
+    sink_tokens: int,
+    local_tokens: int,
+    budget_tokens: int,
+    lengths: Optional[Tensor] = None,
+    start_positions: Optional[Tensor] = None,
+    budgets: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """The selection contract of :func:`hamming_topk` applied to precomputed scores.
+
+    Args:
+        scores: ``(B, Hs, L, N)`` of any real dtype (floating or integer); higher is better.
+            NaN ranks below every number. Any strides.
+        Other arguments and the returned ``(indices, counts)`` are as in :func:`hamming_topk`.
+
+    This is how other selectors (the exact top-k oracle, Quest, H2O, ...) share one budget
+    contract and one attention op.
+    """
+    return torch.ops.hashattention.topk_from_scores.default(
+        scores, lengths, start_positions, budgets, sink_tokens, local_tokens, budget_tokens
+    )
+
+
+@torch.library.register_fake("hashattention::topk_from_scores")
+def _topk_from_scores_fake(scores, lengths, start_positions, budgets, sink, local, budget):
+    batch, heads, rows, _ = scores.shape
+    width = sink + local + budget
+    indices = scores.new_empty((batch, heads, rows, width), dtype=torch.int32)
+    counts = scores.new_empty((batch, heads, rows), dtype=torch.int32)
+    return indices, counts
+
+
+def sparse_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    indices: Tensor,
+    counts: Optional[Tensor] = None,
+    *,
+    scale: float,
+    block_table: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Exact softmax attention over the KV rows named by ``indices`` (paged attention, page size 1).
+
+    Args:
+        query: ``(B, Hq, L, D)`` float32/float16/bfloat16, ``D`` in (64, 128, 256); any strides
+            with a contiguous last dimension.
+        key_cache, value_cache: same dtype as ``query``. HF layout ``(B, Hkv, N, D)`` (any
+            strides with a contiguous last dimension, read in place -- a slice of a
+            preallocated static cache works without a copy), or, with ``block_table``, the
+            paged layout ``(num_pages, page_size, Hkv, D)``.
+        indices: int32 ``(B, Hs, L, K)`` positions; query head ``h`` uses list
+            ``h // (Hq // Hs)``. A position ``p`` addresses row ``p`` of the HF cache, or
+            slot ``p % page_size`` of page ``block_table[b, p // page_size]``.
+        counts: int32 ``(B, Hs, L)``: only the first ``counts`` entries of each list are used.
+            Without it every entry is used and negative entries are skipped.
+        scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
+        block_table: int32 ``(B, max_pages)`` (vLLM's layout) for the paged cache.
+
+    Returns:
+        ``(out, lse)``: ``(B, Hq, L, D)`` in the query dtype -- softmax over the selected rows
+        only, accumulated in float32 -- and the float32 ``(B, Hq, L)`` natural-log
+        log-sum-exp of the scaled logits, so results can be merged with other attention.
+        A row with no selected positions gets ``out = 0`` and ``lse = -inf``.
+    """
+    return torch.ops.hashattention.sparse_attention.default(
+        query, key_cache, value_cache, indices, counts, block_table, float(scale)
+    )
+
+
+@torch.library.register_fake("hashattention::sparse_attention")
+def _sparse_attention_fake(query, key_cache, value_cache, indices, counts, block_table, scale):
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+    return out, lse

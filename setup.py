@@ -1,0 +1,77 @@
+"""Build the hashattention extension (one shared library, ``hashattention._C``).
+
+The C++ sources (schemas + CPU kernels) are always compiled. The CUDA sources in
+``csrc/cuda/`` are compiled whenever torch is a CUDA build and nvcc is found --
+deliberately *not* gated on ``torch.cuda.is_available()``, so that machines without
+a GPU (CI, developers' laptops) still compile them and surface CUDA build errors.
+
+Environment switches:
+  HASHATTENTION_CPU_ONLY=1   skip the CUDA sources (quick iteration on C++ only)
+  TORCH_CUDA_ARCH_LIST       GPU architectures to compile for; defaults to "9.0" (Hopper: H100/H200)
+  HASHATTENTION_DEBUG=1      compile with -O0 -g (host) and -lineinfo (device)
+  MAX_JOBS                   parallel compile jobs (ninja); defaults to the number of cores
+"""
+
+import glob
+import os
+import platform
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _want_cuda() -> bool:
+    if _flag("HASHATTENTION_CPU_ONLY"):
+        return False
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def _extension():
+    debug = _flag("HASHATTENTION_DEBUG")
+    with_cuda = _want_cuda()
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    cxx += ["-fdiagnostics-color=always"]  # the C++ standard is left to torch (C++20 from 2.10)
+    if platform.machine() in ("x86_64", "AMD64"):
+        cxx.append("-mpopcnt")  # hardware popcount for the Hamming kernels
+    define_macros = [("Py_LIMITED_API", "0x030A0000")]
+    extra = {"cxx": cxx}
+
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        sources += cuda_sources
+        define_macros.append(("HASHATTENTION_WITH_CUDA", "1"))
+        nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr"]
+        nvcc += ["-lineinfo"] if debug else []
+        nvcc += ["-Xptxas=-v"] if _flag("HASHATTENTION_PTXAS_VERBOSE") else []
+        extra["nvcc"] = nvcc
+        ext_type = cpp_extension.CUDAExtension
+    else:
+        ext_type = cpp_extension.CppExtension
+
+    return ext_type(
+        name="hashattention._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=define_macros,
+        extra_compile_args=extra,
+        py_limited_api=True,
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)
