@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_ACTIVATIONS = {
+ACTIVATION_FUNCTIONS = {
     "silu": F.silu,
     "relu": F.relu,
     "gelu": F.gelu,  # exact (erf) GELU, as torch.nn.GELU() by default
@@ -30,7 +30,7 @@ def mlp_outputs(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], 
     for i, (w, b) in enumerate(zip(weights, biases)):
         h = torch.einsum("bhni,hio->bhno", h, w.double()) + b.double()[None, :, None, :]
         if i + 1 < len(weights):
-            h = _ACTIVATIONS[activation](h)
+            h = ACTIVATION_FUNCTIONS[activation](h)
     return h
 
 

@@ -1,0 +1,290 @@
+"""Learned signature adapters: per-layer, per-head query and key MLPs, batched across heads.
+
+Each attention layer has two :class:`HeadwiseMLP` stacks, one for queries (one MLP per query
+head) and one for keys (one MLP per query head, as in the paper, or one per KV head for the
+group-shared mode). Weights are stored as ``(heads, in_features, out_features)`` stacks so a
+whole layer runs as one batched product, in training (float, differentiable, :meth:`forward`)
+and at inference (packed int32 signatures through ``torch.ops.hashattention.encode_signatures``).
+
+Files: ``save_pretrained(dir)`` writes ``adapters.safetensors`` (tensors only, no pickle) and
+``adapter_config.json`` (architecture, the model it was trained for, training recipe and
+validation recall); ``from_pretrained(dir)`` reads them back. :func:`convert_authors_checkpoint`
+reads the authors' released ``.pt`` patches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .reference import ACTIVATION_FUNCTIONS
+
+WEIGHTS_NAME = "adapters.safetensors"
+CONFIG_NAME = "adapter_config.json"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class AdapterConfig:
+    """Architecture and provenance of a set of adapters.
+
+    Attributes:
+        num_layers: attention layers of the model.
+        num_query_heads, num_kv_heads, head_dim: the model's attention layout.
+        key_heads: ``"query"`` (one key MLP per query head, keys repeated over the KV group,
+            as in the paper) or ``"kv"`` (one per KV head; group-shared selection).
+        bits: signature bits (a multiple of 32).
+        hidden_features: widths of the hidden layers (paper: ``(128, 128)``).
+        activation: between layers (``silu`` in the paper).
+        model: name or path of the model the adapters were trained for.
+        training: the recipe used (free-form, recorded for provenance).
+        validation: measured recall (free-form, e.g. ``{"recall@16x": 0.85}``).
+    """
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    key_heads: str = "query"
+    bits: int = 32
+    hidden_features: Sequence[int] = (128, 128)
+    activation: str = "silu"
+    model: str = ""
+    training: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    validation: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.hidden_features = tuple(int(h) for h in self.hidden_features)
+        for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "bits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"AdapterConfig.{name} must be a positive int, got {value!r}")
+        if self.num_query_heads % self.num_kv_heads:
+            raise ValueError(
+                f"AdapterConfig.num_kv_heads ({self.num_kv_heads}) must divide num_query_heads ({self.num_query_heads})"
+            )
+        if self.key_heads not in ("query", "kv"):
+            raise ValueError(f"AdapterConfig.key_heads must be 'query' or 'kv', got {self.key_heads!r}")
+        if self.bits % 32:
+            raise ValueError(f"AdapterConfig.bits must be a multiple of 32, got {self.bits}")
+        if any(h < 1 for h in self.hidden_features):
+            raise ValueError(f"AdapterConfig.hidden_features must be positive, got {self.hidden_features}")
+        if self.activation not in ops.ACTIVATIONS:
+            raise ValueError(f"AdapterConfig.activation must be one of {ops.ACTIVATIONS}, got {self.activation!r}")
+
+    @property
+    def num_key_signature_heads(self) -> int:
+        return self.num_query_heads if self.key_heads == "query" else self.num_kv_heads
+
+    @property
+    def words(self) -> int:
+        return self.bits // 32
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["hidden_features"] = list(self.hidden_features)
+        return d
+
+
+class HeadwiseMLP(nn.Module):
+    """``heads`` independent MLPs ``in_features -> hidden... -> out_features``.
+
+    Parameters ``weights.{i}``: ``(heads, in, out)`` and ``biases.{i}``: ``(heads, out)``,
+    initialised like ``nn.Linear``.
+    """
+
+    def __init__(self, heads: int, in_features: int, hidden_features: Sequence[int], out_features: int,
+                 activation: str = "silu"):
+        super().__init__()
+        self.activation = activation
+        sizes = [in_features, *hidden_features, out_features]
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+            bound = 1.0 / math.sqrt(fan_in)
+            self.weights.append(nn.Parameter(torch.empty(heads, fan_in, fan_out).uniform_(-bound, bound)))
+            self.biases.append(nn.Parameter(torch.empty(heads, fan_out).uniform_(-bound, bound)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Pre-sign outputs ``(B, heads, N, out)`` from ``x`` ``(B, heads, N, in)``; differentiable."""
+        h = x
+        act = ACTIVATION_FUNCTIONS[self.activation]
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            h = torch.matmul(h, w.to(h.dtype)) + b.to(h.dtype)[None, :, None, :]
+            if i + 1 < len(self.weights):
+                h = act(h)
+        return h
+
+    def signatures(self, x: Tensor) -> Tensor:
+        """Packed int32 signatures ``(B, heads, N, out // 32)`` through the encode op."""
+        return ops.encode_signatures(x, list(self.weights), list(self.biases), self.activation)
+
+
+class LayerAdapter(nn.Module):
+    """The query and key MLPs of one attention layer."""
+
+    def __init__(self, config: AdapterConfig):
+        super().__init__()
+        self.config = config
+        args = (config.head_dim, config.hidden_features, config.bits, config.activation)
+        self.query = HeadwiseMLP(config.num_query_heads, *args)
+        self.key = HeadwiseMLP(config.num_key_signature_heads, *args)
+
+    def expand_keys(self, key: Tensor) -> Tensor:
+        """KV-head keys ``(B, Hkv, N, D)`` -> one key per key-signature head."""
+        if self.config.key_heads == "kv":
+            return key
+        return key.repeat_interleave(self.config.num_query_heads // self.config.num_kv_heads, dim=1)
+
+    def query_signatures(self, query: Tensor) -> Tensor:
+        """int32 ``(B, Hq, L, W)`` from post-RoPE queries ``(B, Hq, L, D)``."""
+        return self.query.signatures(query)
+
+    def key_signatures(self, key: Tensor) -> Tensor:
+        """int32 ``(B, Hk, N, W)`` from post-RoPE keys ``(B, Hkv, N, D)``."""
+        return self.key.signatures(self.expand_keys(key))
+
+
+class HashAdapters(nn.Module):
+    """All layers' adapters plus their :class:`AdapterConfig`."""
+
+    def __init__(self, config: AdapterConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(LayerAdapter(config) for _ in range(config.num_layers))
+
+    def __getitem__(self, layer: int) -> LayerAdapter:
+        return self.layers[layer]
+
+    @classmethod
+    def for_model_config(cls, model_config, key_heads: str = "query", **overrides) -> "HashAdapters":
+        """Adapters shaped for a Hugging Face model config (Llama / Mistral style attributes)."""
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        config = AdapterConfig(
+            num_layers=model_config.num_hidden_layers,
+            num_query_heads=heads,
+            num_kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            key_heads=key_heads,
+            model=getattr(model_config, "_name_or_path", "") or "",
+            **overrides,
+        )
+        return cls(config)
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write ``adapters.safetensors`` and ``adapter_config.json`` into ``directory`` (atomically)."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        metadata = {"format_version": str(FORMAT_VERSION)}
+        _atomic_write(os.path.join(directory, WEIGHTS_NAME), lambda path: save_file(tensors, path, metadata))
+        text = json.dumps({"format_version": FORMAT_VERSION, **self.config.to_dict()}, indent=2, sort_keys=True)
+        _atomic_write(os.path.join(directory, CONFIG_NAME), lambda path: _write_text(path, text + "\n"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str, device=None, dtype: Optional[torch.dtype] = None) -> "HashAdapters":
+        """Load adapters written by :meth:`save_pretrained`."""
+        from safetensors.torch import load_file
+
+        config_path = os.path.join(directory, CONFIG_NAME)
+        weights_path = os.path.join(directory, WEIGHTS_NAME)
+        for path in (config_path, weights_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} not found: not an adapter directory written by save_pretrained")
+        with open(config_path) as f:
+            raw = json.load(f)
+        version = raw.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{config_path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+        known = {f.name for f in dataclasses.fields(AdapterConfig)}
+        adapters = cls(AdapterConfig(**{k: v for k, v in raw.items() if k in known}))
+        state = load_file(weights_path)
+        missing, unexpected = adapters.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{weights_path} does not match {config_path}: missing {missing}, unexpected {unexpected}")
+        return adapters.to(device=device, dtype=dtype)
+
+
+_AUTHORS_KEY = re.compile(r"^(\d+)\.learning_to_hash_transformation_([qk])\.(\d+)\.(\d+)\.(weight|bias)$")
+
+
+def convert_authors_checkpoint(path_or_state: Any, num_kv_heads: int, model: str = "") -> HashAdapters:
+    """Convert the authors' released patch (``{L}.learning_to_hash_transformation_{q|k}.{head}.{0|2|4}.{weight|bias}``,
+    ``nn.Linear`` weights ``[out, in]``, SiLU between layers, keys per query head) into :class:`HashAdapters`.
+
+    Args:
+        path_or_state: a ``.pt`` file (loaded with ``weights_only=True``) or its state dict.
+        num_kv_heads: the model's KV heads (the file does not record it).
+        model: recorded in the config.
+    """
+    state = path_or_state
+    if not isinstance(state, dict):
+        state = torch.load(path_or_state, map_location="cpu", weights_only=True)
+    entries: Dict[tuple, Tensor] = {}
+    for name, tensor in state.items():
+        match = _AUTHORS_KEY.match(name)
+        if match is None:
+            raise ValueError(f"unexpected key {name!r} in the authors' checkpoint")
+        layer, side, head, linear, kind = match.groups()
+        entries[(int(layer), side, int(head), int(linear), kind)] = tensor
+    if not entries:
+        raise ValueError("the authors' checkpoint holds no learning_to_hash_transformation tensors")
+    layers = sorted({k[0] for k in entries})
+    heads = sorted({k[2] for k in entries})
+    linears = sorted({k[3] for k in entries})
+    if layers != list(range(len(layers))) or heads != list(range(len(heads))):
+        raise ValueError("the authors' checkpoint has gaps in its layer or head numbering")
+    first = entries[(0, "q", 0, linears[0], "weight")]
+    sizes = [first.shape[1]] + [entries[(0, "q", 0, i, "weight")].shape[0] for i in linears]
+    config = AdapterConfig(
+        num_layers=len(layers),
+        num_query_heads=len(heads),
+        num_kv_heads=num_kv_heads,
+        head_dim=sizes[0],
+        key_heads="query",
+        bits=sizes[-1],
+        hidden_features=tuple(sizes[1:-1]),
+        activation="silu",
+        model=model,
+        training={"source": "converted from the authors' checkpoint"},
+    )
+    adapters = HashAdapters(config)
+    with torch.no_grad():
+        for layer in layers:
+            for side, mlp in (("q", adapters[layer].query), ("k", adapters[layer].key)):
+                for i, linear in enumerate(linears):
+                    w = torch.stack([entries[(layer, side, h, linear, "weight")].float().t() for h in heads])
+                    b = torch.stack([entries[(layer, side, h, linear, "bias")].float() for h in heads])
+                    mlp.weights[i].copy_(w)
+                    mlp.biases[i].copy_(b)
+    return adapters
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _atomic_write(path: str, write) -> None:
+    """Write through a temporary file in the same directory, then rename: never a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
