@@ -5,7 +5,7 @@
 
 PYTHON     ?= python3
 TORCH_SPEC ?= torch==2.14.1
-VENV       ?= $(HOME)/.cache/hashattention/venv-$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+VENV       ?= $(HOME)/.cache/hashattention/venv
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 export MAX_JOBS ?= $(shell nproc)
