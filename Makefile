@@ -18,11 +18,12 @@ all: test
 
 venv: $(VENV)/.ready
 
-$(VENV)/.ready: requirements/test.txt
+$(VENV)/.ready: requirements/test.txt requirements/no-deps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -r requirements/test.txt
+	$(PIP) install --quiet --no-deps -r requirements/no-deps.txt
 	touch $@
 
 # Incremental: ninja recompiles only what changed (build/ is kept in the clone).
