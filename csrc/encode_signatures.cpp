@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "outputs.h"
 #include "op_arguments.h"
 #include "signature_packing.h"
 
@@ -29,7 +30,7 @@ void apply_activation_(at::Tensor& h, const std::string& activation) {
 // values: contiguous (rows, bits) -> int32 (rows, bits / 32)
 at::Tensor pack_rows_cpu(const at::Tensor& values, int64_t rows, int64_t bits) {
   const int64_t words = bits / 32;
-  at::Tensor out = at::empty({rows, words}, values.options().dtype(at::kInt));
+  at::Tensor out = new_output({rows, words}, values.options().dtype(at::kInt));
   if (rows == 0) return out;
   int32_t* dst = out.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "pack_signs_cpu", [&] {

@@ -4,13 +4,14 @@
 #include <torch/library.h>
 
 #include "hamming_common.h"
+#include "outputs.h"
 
 namespace hashattention {
 
 at::Tensor hamming_scores_cpu(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
                               int64_t selection_heads) {
   const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
-  at::Tensor out = at::empty({dims.batch, dims.selection_heads, dims.rows, dims.keys},
+  at::Tensor out = new_output({dims.batch, dims.selection_heads, dims.rows, dims.keys},
                              query_signatures.options().dtype(at::kInt));
   const int64_t total = out.numel();
   if (total == 0) return out;

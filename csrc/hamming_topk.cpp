@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "outputs.h"
 #include "hamming_common.h"
 #include "selection_cpu.h"
 
@@ -31,8 +32,8 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cpu(const at::Tensor& query_sign
 
   const int64_t width = args.width();
   auto int_options = query_signatures.options().dtype(at::kInt);
-  at::Tensor indices = at::empty({dims.batch, dims.selection_heads, dims.rows, width}, int_options);
-  at::Tensor counts = at::empty({dims.batch, dims.selection_heads, dims.rows}, int_options);
+  at::Tensor indices = new_output({dims.batch, dims.selection_heads, dims.rows, width}, int_options);
+  at::Tensor counts = new_output({dims.batch, dims.selection_heads, dims.rows}, int_options);
   const int64_t row_count = counts.numel();
   if (row_count == 0) return {indices, counts};
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "outputs.h"
 #include "op_arguments.h"
 
 namespace hashattention {
@@ -49,8 +50,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query,
   const AttentionDims dims = check_attention_args(query, key_cache, value_cache, indices, counts, block_table);
   check_attention_values(dims, key_cache, indices, counts, block_table);
 
-  at::Tensor out = at::empty({dims.batch, dims.query_heads, dims.rows, dims.head_dim}, query.options());
-  at::Tensor lse = at::empty({dims.batch, dims.query_heads, dims.rows}, query.options().dtype(at::kFloat));
+  at::Tensor out = new_output({dims.batch, dims.query_heads, dims.rows, dims.head_dim}, query.options());
+  at::Tensor lse = new_output({dims.batch, dims.query_heads, dims.rows}, query.options().dtype(at::kFloat));
   const int64_t row_count = lse.numel();
   if (row_count == 0) return {out, lse};
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "outputs.h"
 #include "selection_cpu.h"
 
 namespace hashattention {
@@ -53,8 +54,8 @@ std::tuple<at::Tensor, at::Tensor> topk_from_scores_cpu(const at::Tensor& scores
 
   const int64_t width = args.width();
   auto int_options = scores.options().dtype(at::kInt);
-  at::Tensor indices = at::empty({batch, heads, rows, width}, int_options);
-  at::Tensor counts = at::empty({batch, heads, rows}, int_options);
+  at::Tensor indices = new_output({batch, heads, rows, width}, int_options);
+  at::Tensor counts = new_output({batch, heads, rows}, int_options);
   const int64_t row_count = counts.numel();
   if (row_count == 0) return {indices, counts};
 

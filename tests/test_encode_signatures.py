@@ -1,0 +1,107 @@
+"""encode_signatures and pack_signs against the float64 reference."""
+
+import pytest
+import torch
+
+import hashattention as ha
+from hashattention import reference
+from conftest import generator_for
+
+# Pre-sign values closer to 0 than this (relative to the layer's output scale) may round
+# either way on a given device/dtype; every other bit must match the float64 reference.
+MARGIN = {
+    ("cpu", torch.float32): 1e-4,
+    ("cpu", torch.float16): 1e-4,
+    ("cpu", torch.bfloat16): 1e-4,
+    ("cuda", torch.float32): 1e-3,
+    ("cuda", torch.float16): 2e-2,
+    ("cuda", torch.bfloat16): 1e-1,
+}
+
+
+def make_mlp(heads, sizes, generator, dtype, device):
+    weights, biases = [], []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        bound = fan_in**-0.5
+        weights.append(((torch.rand(heads, fan_in, fan_out, generator=generator) * 2 - 1) * bound).to(dtype))
+        biases.append(((torch.rand(heads, fan_out, generator=generator) * 2 - 1) * bound).to(dtype))
+    return [w.to(device) for w in weights], [b.to(device) for b in biases]
+
+
+def check_bits(signatures, pre_sign, margin):
+    """Every bit equals (pre_sign > 0) except where |pre_sign| <= margin * scale."""
+    assert signatures.shape[:-1] == pre_sign.shape[:-1]
+    if pre_sign.numel() == 0:
+        return
+    expected_bits = pre_sign > 0
+    got_bits = reference.unpack_signs(signatures.cpu())
+    scale = pre_sign.abs().mean().clamp(min=1e-12)
+    uncertain = pre_sign.abs() <= margin * scale
+    wrong = (got_bits != expected_bits) & ~uncertain
+    assert not wrong.any(), f"{int(wrong.sum())} of {wrong.numel()} bits differ from the float64 reference"
+    assert uncertain.float().mean() < 0.02, "margin too loose to test anything"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch,heads,tokens,dim,hidden,bits",
+    [
+        (1, 4, 1, 64, (64,), 32),
+        (3, 9, 37, 64, (128, 128), 32),
+        (2, 8, 300, 128, (128, 128), 64),
+        (1, 2, 0, 128, (32,), 32),  # an empty cache
+        (2, 3, 5, 64, (), 96),  # a single linear layer, three words
+    ],
+)
+@pytest.mark.parametrize("activation", ["silu", "relu", "gelu", "tanh", "identity"])
+def test_encode_matches_reference(device, dtype, batch, heads, tokens, dim, hidden, bits, activation):
+    g = generator_for("encode", device, dtype, batch, heads, tokens, dim, hidden, bits, activation)
+    x = torch.randn(batch, heads, tokens, dim, generator=g).to(dtype).to(device)
+    weights, biases = make_mlp(heads, [dim, *hidden, bits], g, dtype, device)
+    signatures = ha.encode_signatures(x, weights, biases, activation)
+    assert signatures.shape == (batch, heads, tokens, bits // 32)
+    assert signatures.dtype == torch.int32 and signatures.device.type == device
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases], activation)
+    check_bits(signatures, pre_sign, MARGIN[(device, dtype)])
+
+
+def test_encode_accepts_weights_in_another_dtype(device):
+    g = generator_for("encode-mixed", device)
+    x = torch.randn(2, 4, 10, 64, generator=g).to(device)
+    weights, biases = make_mlp(4, [64, 32, 32], g, torch.bfloat16, device)
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases])
+    check_bits(ha.encode_signatures(x, weights, biases), pre_sign, MARGIN[(device, torch.float32)])
+
+
+def test_encode_non_contiguous_input(device):
+    g = generator_for("encode-strided", device)
+    x = torch.randn(2, 20, 4, 64, generator=g).to(device).transpose(1, 2)  # (B, H, N, D) view
+    weights, biases = make_mlp(4, [64, 64, 32], g, torch.float32, device)
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases])
+    check_bits(ha.encode_signatures(x, weights, biases), pre_sign, MARGIN[(device, torch.float32)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(64,), (3, 32), (2, 5, 7, 128), (0, 32)])
+def test_pack_signs_matches_reference(device, dtype, shape):
+    g = generator_for("pack", device, dtype, shape)
+    values = torch.randn(shape, generator=g).to(dtype)
+    values.view(-1)[::7] = 0.0  # zero must give bit 0
+    packed = ha.pack_signs(values.to(device))
+    assert packed.shape == (*shape[:-1], shape[-1] // 32) and packed.dtype == torch.int32
+    assert torch.equal(packed.cpu(), reference.pack_signs(values))
+
+
+def test_pack_signs_bit_order(device):
+    values = -torch.ones(2, 64)
+    values[0, 0] = 1.0  # word 0, bit 0
+    values[0, 31] = 1.0  # word 0, bit 31 (the int32 sign bit)
+    values[1, 32 + 5] = 1.0  # word 1, bit 5
+    packed = ha.pack_signs(values.to(device)).cpu()
+    assert packed[0].tolist() == [1 - 2**31, 0]
+    assert packed[1].tolist() == [0, 1 << 5]
+
+
+def test_pack_signs_nan_gives_zero(device):
+    values = torch.full((32,), float("nan"))
+    assert ha.pack_signs(values.to(device)).item() == 0

@@ -1,0 +1,45 @@
+"""torch.library.opcheck on every op: schema, fake kernel, autograd registration, AOT dispatch."""
+
+import pytest
+import torch
+
+import hashattention  # noqa: F401  (registers the ops)
+from conftest import generator_for, random_signatures
+
+OPS = torch.ops.hashattention
+
+
+def sample_calls(device):
+    g = generator_for("opcheck", device)
+    q_sig = random_signatures((2, 4, 3, 1), g, device)
+    k_sig = random_signatures((2, 2, 50, 1), g, device)
+    x = torch.randn(2, 4, 5, 64, generator=g).to(device)
+    weights = [torch.randn(4, 64, 32, generator=g).to(device), torch.randn(4, 32, 64, generator=g).to(device)]
+    biases = [torch.randn(4, 32, generator=g).to(device), torch.randn(4, 64, generator=g).to(device)]
+    lengths = torch.tensor([50, 31], dtype=torch.int32, device=device)
+    starts = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    budgets = torch.tensor([5, 100], dtype=torch.int32, device=device)
+    scores = torch.randn(2, 2, 3, 50, generator=g).to(device)
+    q = torch.randn(2, 4, 3, 64, generator=g).to(device)
+    k = torch.randn(2, 2, 50, 64, generator=g).to(device)
+    v = torch.randn(2, 2, 50, 64, generator=g).to(device)
+    indices = torch.randint(0, 50, (2, 2, 3, 10), generator=g).to(torch.int32).to(device)
+    counts = torch.randint(0, 11, (2, 2, 3), generator=g).to(torch.int32).to(device)
+    k_pages = torch.randn(20, 4, 2, 64, generator=g).to(device)
+    block_table = torch.randperm(20, generator=g)[:14].reshape(2, 7).to(torch.int32).to(device)
+    return [
+        ("encode_signatures", (x, weights, biases, "silu")),
+        ("pack_signs", (torch.randn(3, 5, 64, generator=g).to(device),)),
+        ("hamming_scores", (q_sig, k_sig, 2)),
+        ("hamming_topk", (q_sig, k_sig, lengths, starts, budgets, 4, 4, 4, 8)),
+        ("hamming_topk", (q_sig, k_sig, None, None, None, 2, 0, 2, 100)),
+        ("topk_from_scores", (scores, lengths, starts, budgets, 2, 3, 6)),
+        ("sparse_attention", (q, k, v, indices, counts, None, 0.125)),
+        ("sparse_attention", (q, k_pages, k_pages, indices % 28, None, block_table, 0.125)),
+    ]
+
+
+@pytest.mark.parametrize("call", range(8))
+def test_opcheck(device, call):
+    name, args = sample_calls(device)[call]
+    torch.library.opcheck(getattr(OPS, name).default, args)

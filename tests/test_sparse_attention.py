@@ -1,0 +1,149 @@
+"""sparse_attention against the float64 reference, HF and paged layouts."""
+
+import pytest
+import torch
+
+import hashattention as ha
+from hashattention import reference
+from conftest import ATTENTION_TOLERANCE, assert_close_verbose, generator_for
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def random_index_lists(batch, heads, rows, width, keys, generator, with_counts=True):
+    """Sorted distinct positions per row, a random count each, -1 padding after it."""
+    indices = torch.full((batch, heads, rows, width), -1, dtype=torch.int32)
+    counts = torch.zeros(batch, heads, rows, dtype=torch.int32)
+    for flat in range(batch * heads * rows):
+        b, rest = divmod(flat, heads * rows)
+        h, l = divmod(rest, rows)
+        count = int(torch.randint(0, min(width, keys) + 1, (1,), generator=generator)) if keys else 0
+        if flat == 0 and keys:
+            count = min(width, keys)  # at least one full row per case
+        chosen = torch.randperm(keys, generator=generator)[:count].sort().values
+        indices[b, h, l, :count] = chosen.to(torch.int32)
+        counts[b, h, l] = count
+    return indices, counts
+
+
+def check_attention(got, expected, dtype, what):
+    out, lse = got
+    ref_out, ref_lse = expected
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close_verbose(out, ref_out, what=f"{what} out", **ATTENTION_TOLERANCE[dtype])
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), f"{what}: empty rows must give lse = -inf"
+    assert (lse.cpu()[~finite] == float("-inf")).all()
+    assert_close_verbose(lse.cpu()[finite], ref_lse[finite], what=f"{what} lse", atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("group_shared", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("keys,rows,batch,width", [(1, 1, 1, 1), (60, 5, 3, 24), (700, 1, 1, 300), (2000, 5, 1, 160)])
+def test_hf_layout_matches_reference(device, dtype, query_heads, kv_heads, group_shared, head_dim, keys, rows,
+                                     batch, width):
+    case = ("attn-hf", device, dtype, query_heads, kv_heads, group_shared, head_dim, keys, rows, batch, width)
+    g = generator_for(*case)
+    selection_heads = kv_heads if group_shared else query_heads
+    q = torch.randn(batch, query_heads, rows, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+    indices, counts = random_index_lists(batch, selection_heads, rows, width, keys, g)
+    scale = head_dim**-0.5
+    expected = reference.sparse_attention(q, k, v, indices, counts, scale=scale)
+    got = ha.sparse_attention(q.to(device), k.to(device), v.to(device), indices.to(device), counts.to(device),
+                              scale=scale)
+    check_attention(got, expected, dtype, repr(case))
+    # without counts: every entry is read and the -1 padding skipped -- same result
+    got = ha.sparse_attention(q.to(device), k.to(device), v.to(device), indices.to(device), scale=scale)
+    check_attention(got, expected, dtype, repr(case) + " without counts")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_strided_cache_and_query_read_in_place(device, dtype, head_dim):
+    """A slice of a preallocated (B, Hkv, N_max, D) cache and a transposed (B, L, Hq, D) query."""
+    g = generator_for("attn-strided", device, dtype, head_dim)
+    cache_k = torch.randn(2, 2, 128, head_dim, generator=g).to(dtype)
+    cache_v = torch.randn(2, 2, 128, head_dim, generator=g).to(dtype)
+    k, v = cache_k[:, :, :90], cache_v[:, :, :90]
+    q = torch.randn(2, 3, 8, head_dim, generator=g).to(dtype).transpose(1, 2)  # (B, Hq=8, L=3, D) view
+    indices, counts = random_index_lists(2, 8, 3, 40, 90, g)
+    scale = 0.3
+    expected = reference.sparse_attention(q, k, v, indices, counts, scale=scale)
+    got = ha.sparse_attention(q.to(device), k.to(device), v.to(device), indices.to(device), counts.to(device),
+                              scale=scale)
+    check_attention(got, expected, dtype, "strided")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group_shared", [False, True])
+def test_paged_layout_matches_reference(device, dtype, page_size, group_shared):
+    g = generator_for("attn-paged", device, dtype, page_size, group_shared)
+    batch, query_heads, kv_heads, rows, head_dim, keys = 3, 8, 2, 5, 128, 300
+    max_pages = -(-keys // page_size)
+    num_pages = batch * max_pages + 7
+    block_table = torch.randperm(num_pages, generator=g)[: batch * max_pages].reshape(batch, max_pages).to(torch.int32)
+    k_pages = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_pages = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=g).to(dtype)
+    selection_heads = kv_heads if group_shared else query_heads
+    q = torch.randn(batch, query_heads, rows, head_dim, generator=g).to(dtype)
+    indices, counts = random_index_lists(batch, selection_heads, rows, 64, keys, g)
+    scale = head_dim**-0.5
+    expected = reference.sparse_attention(q, k_pages, v_pages, indices, counts, scale=scale, block_table=block_table)
+    got = ha.sparse_attention(q.to(device), k_pages.to(device), v_pages.to(device), indices.to(device),
+                              counts.to(device), scale=scale, block_table=block_table.to(device))
+    check_attention(got, expected, dtype, f"paged page_size={page_size}")
+
+
+def test_paged_equals_hf_layout(device):
+    """The same cache laid out both ways gives the same result."""
+    g = generator_for("paged-vs-hf", device)
+    batch, kv_heads, keys, head_dim, page_size = 2, 2, 64, 64, 8
+    k = torch.randn(batch, kv_heads, keys, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, keys, head_dim, generator=g)
+    pages = keys // page_size
+    block_table = torch.arange(batch * pages, dtype=torch.int32).flip(0).reshape(batch, pages)
+    k_pages = torch.empty(batch * pages, page_size, kv_heads, head_dim)
+    v_pages = torch.empty_like(k_pages)
+    for b in range(batch):
+        for p in range(pages):
+            k_pages[block_table[b, p]] = k[b, :, p * page_size:(p + 1) * page_size].transpose(0, 1)
+            v_pages[block_table[b, p]] = v[b, :, p * page_size:(p + 1) * page_size].transpose(0, 1)
+    q = torch.randn(batch, 4, 1, head_dim, generator=g)
+    indices, counts = random_index_lists(batch, 4, 1, 20, keys, g)
+    args = [t.to(device) for t in (indices, counts)]
+    hf = ha.sparse_attention(q.to(device), k.to(device), v.to(device), *args, scale=0.125)
+    paged = ha.sparse_attention(q.to(device), k_pages.to(device), v_pages.to(device), *args, scale=0.125,
+                                block_table=block_table.to(device))
+    torch.testing.assert_close(hf[0], paged[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hf[1], paged[1], atol=1e-6, rtol=1e-6)
+
+
+def test_empty_selection_gives_zero_and_minus_inf(device):
+    q = torch.randn(1, 2, 1, 64)
+    k = torch.randn(1, 2, 10, 64)
+    indices = torch.full((1, 2, 1, 4), -1, dtype=torch.int32)
+    counts = torch.zeros(1, 2, 1, dtype=torch.int32)
+    out, lse = ha.sparse_attention(q.to(device), k.to(device), k.to(device), indices.to(device), counts.to(device),
+                                   scale=0.1)
+    assert (out.cpu() == 0).all() and (lse.cpu() == float("-inf")).all()
+
+
+def test_lse_merges_two_halves_into_the_whole(device):
+    """Splitting a selection in two and merging by log-sum-exp gives attention over the union."""
+    g = generator_for("lse-merge", device)
+    q = torch.randn(1, 4, 1, 128, generator=g).to(device)
+    k = torch.randn(1, 4, 200, 128, generator=g).to(device)
+    v = torch.randn(1, 4, 200, 128, generator=g).to(device)
+    everything = torch.arange(200, dtype=torch.int32).expand(1, 4, 1, 200).contiguous().to(device)
+    whole, whole_lse = ha.sparse_attention(q, k, v, everything, scale=0.09)
+    a, a_lse = ha.sparse_attention(q, k, v, everything[..., :77].contiguous(), scale=0.09)
+    b, b_lse = ha.sparse_attention(q, k, v, everything[..., 77:].contiguous(), scale=0.09)
+    merged_lse = torch.logaddexp(a_lse, b_lse)
+    merged = a * (a_lse - merged_lse).exp()[..., None] + b * (b_lse - merged_lse).exp()[..., None]
+    torch.testing.assert_close(merged, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_lse, whole_lse, atol=1e-5, rtol=1e-5)
