@@ -1,0 +1,183 @@
+"""The ``"hashattention"`` attention implementation for transformers' ``AttentionInterface``.
+
+transformers calls :func:`hashattention_attention_forward` from every attention layer with
+post-RoPE queries ``(B, Hq, L, D)`` and the cached keys/values ``(B, Hkv, N, D)`` (``N`` is
+the whole preallocated buffer for a ``StaticCache``). Per forward call:
+
+* the first ``L - P`` query rows run dense through transformers' own SDPA path (``P`` =
+  ``sparse_prompt_tokens``; a single-row decode step has ``P = 1``);
+* the last ``P`` rows run sparse: query signatures -> fused Hamming top-k against the key
+  signatures the cache layer stored when the keys were appended -> sparse attention over
+  the selected K/V rows.
+
+Valid lengths come from the cache layer (a device tensor for static caches), left-padding
+offsets from the boolean mask built by :func:`hashattention_mask` (the first visible key of
+the last query row); budgets are computed on the device. Nothing is read back to the host,
+so a static-cache decode step can be captured in a CUDA graph.
+
+:mod:`hashattention.patch` passes the per-layer state through two keyword arguments that a
+forward pre-hook adds to each attention module's call: ``hashattention`` (a
+:class:`LayerRuntime`) and ``hashattention_cache_layer`` (the signature cache layer, or None
+without a cache). Without them (e.g. a module called outside a patched model) the function
+is plain SDPA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from . import ops
+from .adapters import LayerAdapter
+from .config import HashAttentionConfig
+
+ATTENTION_NAME = "hashattention"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRuntime:
+    """What one patched attention layer needs at run time."""
+
+    adapter: LayerAdapter
+    config: HashAttentionConfig
+    selection_heads: int
+    dense: bool = False
+
+
+def hashattention_mask(*args, **kwargs) -> Optional[Tensor]:
+    """The mask function registered for ``"hashattention"``: exactly SDPA's boolean mask.
+
+    The dense rows get the same mask as the unpatched SDPA model; the sparse rows only read
+    the left-padding offset from it. (Without a registered mask function transformers would
+    pass no mask at all and padding would be lost.)
+    """
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register the attention and mask functions under ``"hashattention"`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, hashattention_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, hashattention_mask)
+
+
+def start_positions_from_mask(attention_mask: Optional[Tensor], batch_size: int, device) -> Tensor:
+    """int32 ``(B,)`` left-padding offsets: the first key the last query row may see.
+
+    ``attention_mask`` is SDPA's boolean ``(B, 1, L, N)`` mask or None (no padding). With left
+    padding the last row (a real token) sees ``[start, position]``; ``argmax`` returns the
+    first True.
+    """
+    if attention_mask is None:
+        return torch.zeros(batch_size, dtype=torch.int32, device=device)
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"hashattention expects a boolean attention mask, got {attention_mask.dtype}")
+    last_row = attention_mask[:, 0, -1, :]
+    return last_row.to(torch.int32).argmax(dim=-1).to(torch.int32).expand(batch_size).contiguous()
+
+
+def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
+    """int32 ``(B,)`` signature-selected tokens per sequence from its valid key count (on the device)."""
+    if config.budget_tokens is not None:
+        total = torch.full_like(valid_keys, config.budget_tokens)
+    else:
+        total = torch.floor(valid_keys.to(torch.float64) / config.sparsity).to(torch.int32)
+    if config.dense_below_tokens > 0:
+        total = torch.where(valid_keys < config.dense_below_tokens, valid_keys, total)
+    return (total - config.window_tokens).clamp(min=0).to(torch.int32)
+
+
+def select_and_attend(
+    runtime: LayerRuntime,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_signatures: Tensor,
+    lengths: Tensor,
+    start_positions: Tensor,
+    scaling: float,
+) -> Tensor:
+    """Sparse attention of query rows that end at each sequence's ``lengths``.
+
+    Args:
+        query: ``(B, Hq, P, D)``, the last ``P`` rows of the chunk.
+        key, value: ``(B, Hkv, N, D)`` cache (HF layout, read in place).
+        key_signatures: int32 ``(B, Hk, N, W)``.
+        lengths, start_positions: int32 ``(B,)`` on the device.
+
+    Returns:
+        ``(B, Hq, P, D)`` in the query dtype.
+    """
+    config = runtime.config
+    budgets = heavy_budgets(config, lengths - start_positions)
+    query_signatures = runtime.adapter.query_signatures(query)
+    indices, counts = ops.hamming_topk(
+        query_signatures,
+        key_signatures,
+        selection_heads=runtime.selection_heads,
+        sink_tokens=config.sink_tokens,
+        local_tokens=config.local_tokens,
+        budget_tokens=config.heavy_width(key.shape[2]),
+        lengths=lengths,
+        start_positions=start_positions,
+        budgets=budgets,
+    )
+    out, _ = ops.sparse_attention(query, key, value, indices, counts, scale=scaling)
+    return out
+
+
+def hashattention_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> Tuple[Tensor, None]:
+    """transformers attention function: returns ``(out (B, L, Hq, D), None)``."""
+    runtime: Optional[LayerRuntime] = kwargs.pop("hashattention", None)
+    cache_layer = kwargs.pop("hashattention_cache_layer", None)
+    if runtime is None or runtime.dense:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    batch, _, rows, head_dim = query.shape
+    sparse_rows = rows if rows == 1 else min(runtime.config.sparse_prompt_tokens, rows)
+    if sparse_rows == 0:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if scaling is None:
+        scaling = head_dim**-0.5
+
+    if cache_layer is None:  # no cache (use_cache=False): encode the keys of this call
+        key_signatures = runtime.adapter.key_signatures(key)
+        lengths = torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
+    else:
+        key_signatures = cache_layer.key_signatures
+        lengths = cache_layer.valid_lengths(batch, query.device)
+    start_positions = start_positions_from_mask(attention_mask, batch, query.device)
+
+    sparse_query = query[:, :, rows - sparse_rows :]
+    sparse_out = select_and_attend(
+        runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling
+    ).transpose(1, 2)
+    if sparse_rows == rows:
+        return sparse_out.contiguous(), None
+
+    dense_rows = rows - sparse_rows
+    dense_query = query[:, :, :dense_rows]
+    if attention_mask is None:
+        # SDPA skipped the mask: a prefill from position 0 without padding, so the dense rows
+        # are positions 0 .. dense_rows - 1 and see only the first dense_rows keys.
+        dense_key, dense_value, dense_mask = key[:, :, :dense_rows], value[:, :, :dense_rows], None
+    else:
+        dense_key, dense_value, dense_mask = key, value, attention_mask[:, :, :dense_rows]
+    dense_out, _ = sdpa_attention_forward(
+        module, dense_query, dense_key, dense_value, dense_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    return torch.cat([dense_out, sparse_out], dim=1), None

@@ -1,0 +1,178 @@
+"""Cache layers that keep packed key signatures next to K/V.
+
+Each key is encoded exactly once, when it is appended: ``update`` runs the layer's key MLP
+on the new post-RoPE keys only and stores the int32 signatures ``(B, Hk, N, W)`` beside
+the keys, so a decode step reads ``4 W`` bytes per key and head instead of re-encoding.
+
+* :class:`SignatureDynamicLayer` grows by concatenation, like transformers' ``DynamicLayer``.
+* :class:`SignatureStaticLayer` preallocates ``max_cache_len`` rows, like ``StaticLayer``,
+  and writes in place (static addresses, CUDA-graph safe).
+
+Users do not build these by hand: :func:`hashattention.patch` converts the layers of
+whatever cache the model gets (``DynamicCache`` from ``generate``, a user's
+``StaticCache``, ...) the first time each attention layer sees it
+(:func:`ensure_signature_layer`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.utils import is_torchdynamo_compiling
+
+from .adapters import LayerAdapter
+
+
+class SignatureDynamicLayer(DynamicLayer):
+    """A ``DynamicLayer`` plus ``key_signatures``: int32 ``(B, Hk, N, W)``, one row per cached key."""
+
+    def __init__(self, adapter: LayerAdapter, **kwargs):
+        super().__init__()
+        self.adapter = adapter
+        self.key_signatures: Optional[Tensor] = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> Tuple[Tensor, Tensor]:
+        keys, values = super().update(key_states, value_states)
+        new_signatures = self.adapter.key_signatures(key_states)
+        if self.key_signatures is None:
+            self.key_signatures = new_signatures
+        else:
+            self.key_signatures = torch.cat([self.key_signatures, new_signatures], dim=-2)
+        return keys, values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.key_signatures is not None:
+            self.key_signatures = self.key_signatures[:, :, : self.get_seq_length()]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.key_signatures is not None:
+            self.key_signatures = self.key_signatures.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.key_signatures is not None:
+            self.key_signatures = self.key_signatures[indices, ...]
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.key_signatures is not None:
+            self.key_signatures = self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
+
+    def reset(self) -> None:
+        super().reset()
+        if self.key_signatures is not None:
+            self.key_signatures.zero_()
+
+    def offload(self):
+        super().offload()
+        if self.key_signatures is not None:
+            self.key_signatures = self.key_signatures.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        super().prefetch()
+        if self.key_signatures is not None and self.key_signatures.device != self.device:
+            self.key_signatures = self.key_signatures.to(self.device, non_blocking=True)
+
+    def valid_lengths(self, batch_size: int, device) -> Tensor:
+        """int32 ``(B,)`` number of cached positions (left padding included)."""
+        return torch.full((batch_size,), self.get_seq_length(), dtype=torch.int32, device=device)
+
+
+class SignatureStaticLayer(StaticLayer):
+    """A ``StaticLayer`` plus a preallocated ``key_signatures`` buffer ``(B, Hk, max_cache_len, W)``."""
+
+    def __init__(self, max_cache_len: int, adapter: LayerAdapter, **kwargs):
+        super().__init__(max_cache_len=max_cache_len)
+        self.adapter = adapter
+        self.key_signatures: Optional[Tensor] = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        config = self.adapter.config
+        self.key_signatures = torch.zeros(
+            (self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        # Same reason as the K/V buffers: a fixed address keeps CUDA graphs valid across steps.
+        if not is_torchdynamo_compiling():
+            torch._dynamo.mark_static_address(self.key_signatures)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> Tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # Positions before StaticLayer.update advances cumulative_length (device tensor: no host sync).
+        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+        self.key_signatures.index_copy_(2, positions, self.adapter.key_signatures(key_states))
+        return super().update(key_states, value_states)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.key_signatures is not None:
+            self.key_signatures.zero_()
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.key_signatures is not None and self.get_seq_length() > 0:
+            self.key_signatures = self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
+
+    def valid_lengths(self, batch_size: int, device) -> Tensor:
+        """int32 ``(B,)`` number of written positions, read on the device (CUDA-graph safe)."""
+        return self.cumulative_length.to(device=device, dtype=torch.int32).reshape(1).repeat(batch_size)
+
+
+SIGNATURE_LAYERS = (SignatureDynamicLayer, SignatureStaticLayer)
+
+
+def to_signature_layer(layer, adapter: LayerAdapter):
+    """A signature layer holding ``layer``'s contents; keys already cached are encoded now, once."""
+    if isinstance(layer, SIGNATURE_LAYERS):
+        if layer.adapter is not adapter:
+            raise ValueError(
+                "this cache was filled with other HashAttention adapters; start from a fresh cache after patching"
+            )
+        return layer
+    if type(layer) is DynamicLayer:
+        converted = SignatureDynamicLayer(adapter)
+        if layer.is_initialized:
+            converted.dtype, converted.device = layer.dtype, layer.device
+            converted.keys, converted.values, converted.is_initialized = layer.keys, layer.values, True
+            if layer.get_seq_length() > 0:
+                converted.key_signatures = adapter.key_signatures(layer.keys)
+        return converted
+    if type(layer) is StaticLayer:
+        converted = SignatureStaticLayer(layer.max_cache_len, adapter)
+        if layer.is_initialized:
+            for name in ("dtype", "device", "batch_size", "num_heads", "k_head_dim", "v_head_dim"):
+                setattr(converted, name, getattr(layer, name))
+            converted.keys, converted.values = layer.keys, layer.values
+            converted.cumulative_length = layer.cumulative_length
+            # Unwritten rows get meaningless signatures; they lie beyond the valid length and are never read.
+            converted.key_signatures = adapter.key_signatures(layer.keys).contiguous()
+            torch._dynamo.mark_static_address(converted.key_signatures)
+            converted.is_initialized = True
+        return converted
+    raise ValueError(
+        f"HashAttention supports DynamicLayer and StaticLayer cache layers (full attention), got {type(layer).__name__}"
+    )
+
+
+def ensure_signature_layer(cache: Cache, layer_idx: int, adapter: LayerAdapter):
+    """Make ``cache.layers[layer_idx]`` a signature layer (in place) and return it."""
+    if cache.layer_class_to_replicate is not None:
+        while len(cache.layers) <= layer_idx:  # what Cache.update would do lazily
+            cache.layers.append(cache.layer_class_to_replicate())
+    if layer_idx >= len(cache.layers):
+        raise ValueError(f"the cache has {len(cache.layers)} layers, attention layer {layer_idx} has none")
+    layer = cache.layers[layer_idx]
+    if not isinstance(layer, SIGNATURE_LAYERS):
+        layer = to_signature_layer(layer, adapter)
+        cache.layers[layer_idx] = layer
+    elif layer.adapter is not adapter:
+        to_signature_layer(layer, adapter)  # raises
+    return layer

@@ -1,0 +1,143 @@
+"""What HashAttention does at inference: windows, budget, which rows and layers run sparse.
+
+The budget counts every attended token of a query row, windows included. For a sequence
+with ``n`` valid keys (left padding excluded; the current token included) a query row
+attends to
+
+* ``budget_tokens = T``: the sink window, the local window and the ``T - sink - local``
+  best-scoring other keys, i.e. ``min(n, T)`` tokens in total;
+* ``sparsity = s``: ``floor(n / s)`` tokens in total, of which ``sink + local`` are the
+  windows and the rest the best-scoring other keys. When ``n / s < sink + local`` the two
+  windows alone are attended (``min(n, sink + local)`` tokens): the windows are never cut.
+  Example: ``n = 4096, s = 16, sink = local = 128``: 256 tokens, all of them the windows;
+  ``n = 32768``: 2048 tokens, 1792 of them chosen by the signatures.
+* ``n < dense_below_tokens``: all ``n`` tokens (exact dense attention).
+
+For the trailing sparse prompt rows of a prefill, ``n`` is the length of the whole chunk
+(the last row's), so earlier rows of the chunk get the same token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Tuple
+
+SELECTION_MODES = ("query_head", "kv_group")
+
+
+@dataclasses.dataclass
+class HashAttentionConfig:
+    """Inference settings of HashAttention (validated on construction; errors are ``ValueError``).
+
+    Attributes:
+        sink_tokens: first tokens of each sequence always attended (paper: 128).
+        local_tokens: latest tokens always attended, the current one included (paper: 128).
+        budget_tokens: total attended tokens per query row, windows included; must be at
+            least ``sink_tokens + local_tokens``. Mutually exclusive with ``sparsity``.
+        sparsity: attend ``floor(n / sparsity)`` tokens in total, windows included (see the
+            module docstring); ``> 1``. If neither budget is given, ``sparsity = 16``.
+        selection: ``"query_head"`` (each query head selects its own tokens, as the paper)
+            or ``"kv_group"`` (the query heads of a KV group share one selection: their
+            Hamming scores are summed, and each selected K/V row serves the whole group).
+        sparse_prompt_tokens: how many trailing tokens of a multi-token forward (the prompt)
+            run sparse; earlier ones run dense (SDPA). Paper: 128 (LongBench), 32 (RULER);
+            0 = only generated tokens run sparse. Single-token (decode) steps always run sparse.
+        dense_below_tokens: sequences with fewer valid keys than this attend to all of them.
+        dense_layers: indices of layers kept dense (SDPA, no signatures in their cache).
+        bits: expected signature bits; ``None`` takes the adapters' value, otherwise
+            :func:`hashattention.patch` checks that the adapters match.
+    """
+
+    sink_tokens: int = 128
+    local_tokens: int = 128
+    budget_tokens: Optional[int] = None
+    sparsity: Optional[float] = None
+    selection: str = "query_head"
+    sparse_prompt_tokens: int = 128
+    dense_below_tokens: int = 0
+    dense_layers: Sequence[int] = ()
+    bits: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("sink_tokens", "local_tokens", "sparse_prompt_tokens", "dense_below_tokens"):
+            _require_int(name, getattr(self, name), minimum=0)
+        if self.budget_tokens is not None and self.sparsity is not None:
+            raise ValueError(
+                "HashAttentionConfig: give either budget_tokens or sparsity, not both "
+                f"(got budget_tokens={self.budget_tokens!r}, sparsity={self.sparsity!r})"
+            )
+        if self.budget_tokens is None and self.sparsity is None:
+            self.sparsity = 16.0
+        if self.budget_tokens is not None:
+            _require_int("budget_tokens", self.budget_tokens, minimum=0)
+            windows = self.sink_tokens + self.local_tokens
+            if self.budget_tokens < windows:
+                raise ValueError(
+                    f"HashAttentionConfig.budget_tokens ({self.budget_tokens}) counts the windows too and must be "
+                    f">= sink_tokens + local_tokens ({windows})"
+                )
+        else:
+            if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
+                raise ValueError(f"HashAttentionConfig.sparsity must be a number > 1, got {self.sparsity!r}")
+            if not math.isfinite(self.sparsity) or self.sparsity <= 1:
+                raise ValueError(f"HashAttentionConfig.sparsity must be a finite number > 1, got {self.sparsity!r}")
+            self.sparsity = float(self.sparsity)
+        if self.selection not in SELECTION_MODES:
+            raise ValueError(f"HashAttentionConfig.selection must be one of {SELECTION_MODES}, got {self.selection!r}")
+        layers = tuple(self.dense_layers)
+        for layer in layers:
+            _require_int("dense_layers entries", layer, minimum=0)
+        self.dense_layers = tuple(sorted(set(layers)))
+        if self.bits is not None:
+            _require_int("bits", self.bits, minimum=32)
+            if self.bits % 32:
+                raise ValueError(f"HashAttentionConfig.bits must be a multiple of 32, got {self.bits}")
+
+    @property
+    def window_tokens(self) -> int:
+        return self.sink_tokens + self.local_tokens
+
+    def total_tokens(self, valid_keys: int) -> int:
+        """Tokens one query row attends to when its sequence has ``valid_keys`` keys (host-side helper)."""
+        if valid_keys < self.dense_below_tokens:
+            return valid_keys
+        if self.budget_tokens is not None:
+            return min(valid_keys, self.budget_tokens)
+        return min(valid_keys, max(math.floor(valid_keys / self.sparsity), self.window_tokens))
+
+    def heavy_width(self, max_keys: int) -> int:
+        """Static number of signature-selected slots for a cache holding up to ``max_keys`` keys.
+
+        It sets the output width of the selection op (``sink + local + heavy_width``), so
+        it depends only on shapes, never on device values: per-sequence budgets lower it.
+        """
+        if self.budget_tokens is not None:
+            heavy = self.budget_tokens - self.window_tokens
+        else:
+            heavy = math.floor(max_keys / self.sparsity) - self.window_tokens
+        if self.dense_below_tokens > 0:
+            heavy = max(heavy, self.dense_below_tokens - 1 - self.window_tokens)
+        return max(0, min(heavy, max_keys))
+
+    def describe(self) -> str:
+        budget = f"{self.budget_tokens} tokens" if self.budget_tokens is not None else f"1/{self.sparsity:g} of the keys"
+        return (
+            f"budget {budget} (windows included), sink {self.sink_tokens}, local {self.local_tokens}, "
+            f"selection per {self.selection.replace('_', ' ')}, last {self.sparse_prompt_tokens} prompt tokens sparse"
+            + (f", dense below {self.dense_below_tokens} keys" if self.dense_below_tokens else "")
+            + (f", dense layers {list(self.dense_layers)}" if self.dense_layers else "")
+        )
+
+
+def _require_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"HashAttentionConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def validate_for_model(config: HashAttentionConfig, num_layers: int) -> Tuple[int, ...]:
+    """Check ``dense_layers`` against the model's layer count; returns them."""
+    bad = [layer for layer in config.dense_layers if layer >= num_layers]
+    if bad:
+        raise ValueError(f"HashAttentionConfig.dense_layers {bad} out of range: the model has {num_layers} layers")
+    return tuple(config.dense_layers)
