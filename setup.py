@@ -15,11 +15,37 @@ Environment switches:
 import glob
 import os
 import platform
+import shutil
 
 from setuptools import setup
-from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _locate_cuda_home():
+    """Find the CUDA toolkit before torch guesses it.
+
+    torch derives CUDA_HOME from the directory of `nvcc` on the PATH; where `nvcc` is a wrapper
+    script (e.g. /usr/local/bin/nvcc exec-ing the real one) that guess is wrong and linking fails
+    with "cannot find -lcudart". Accept only a directory that really holds a toolkit.
+    """
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for home in candidates:
+        if os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isfile(
+            os.path.join(home, "include", "cuda_runtime.h")
+        ):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+_locate_cuda_home()
+from torch.utils import cpp_extension  # noqa: E402  (reads CUDA_HOME on import)
 
 
 def _flag(name: str) -> bool:
@@ -31,7 +57,8 @@ def _want_cuda() -> bool:
         return False
     import torch
 
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    has_sources = bool(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    return has_sources and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
 def _extension():
