@@ -1,0 +1,265 @@
+"""The Hugging Face integration on tiny random-weight Llama / Mistral models (CPU, float32)."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from hashattention.cache import SignatureDynamicLayer, SignatureStaticLayer
+from hashattention.config import HashAttentionConfig
+from hashattention.patch import is_patched, patch, unpatch
+
+from hf_models import PAD, REFERENCE_NAME, configure_reference, random_ids, tiny_adapters, tiny_model
+
+PROMPT, STEPS = 40, 6
+LOGIT_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def make_cache(kind: str, model, max_len: int):
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def stepwise_logits(model, ids, cache, steps=STEPS, attention_mask=None, tokens=None):
+    """Prefill ``ids`` then ``steps`` single-token decode steps; next tokens are ``tokens`` (teacher
+    forcing) or greedy. Returns the list of logits ``[(B, L, V) prefill, (B, 1, V) per step]`` and the tokens."""
+    outputs, chosen = [], []
+    mask = attention_mask
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        outputs.append(out.logits)
+        for step in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1) if tokens is None else tokens[step]
+            chosen.append(nxt)
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            outputs.append(out.logits)
+    return outputs, chosen
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("selection", ["query_head", "kv_group"])
+def test_full_budget_equals_sdpa(kind, cache_kind, selection):
+    model = tiny_model(kind)
+    adapters = tiny_adapters(model)
+    ids = random_ids(1, PROMPT, seed=3)
+    reference, tokens = stepwise_logits(model, ids, make_cache(cache_kind, model, PROMPT + STEPS))
+    config = HashAttentionConfig(
+        sink_tokens=4, local_tokens=4, budget_tokens=PROMPT + STEPS, sparse_prompt_tokens=8, selection=selection
+    )
+    with patch(model, adapters, config):
+        cache = make_cache(cache_kind, model, PROMPT + STEPS)
+        patched, _ = stepwise_logits(model, ids, cache, tokens=tokens)
+        expected_layer = SignatureDynamicLayer if cache_kind == "dynamic" else SignatureStaticLayer
+        assert all(isinstance(layer, expected_layer) for layer in cache.layers)
+    for step, (got, want) in enumerate(zip(patched, reference)):
+        torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("selection", ["query_head", "kv_group"])
+@pytest.mark.parametrize("key_heads", ["query", "kv"])
+def test_small_budget_equals_masked_reference(kind, selection, key_heads):
+    """Patched model with a cache == the oracle recomputing the same selection from scratch, step by step."""
+    model = tiny_model(kind)
+    adapters = tiny_adapters(model, key_heads=key_heads)
+    config = HashAttentionConfig(
+        sink_tokens=3, local_tokens=4, budget_tokens=15, sparse_prompt_tokens=6, selection=selection
+    )
+    ids = random_ids(1, PROMPT, seed=4)
+    with patch(model, adapters, config):
+        patched, tokens = stepwise_logits(model, ids, DynamicCache(config=model.config))
+
+    configure_reference(adapters, config, sparse_from=PROMPT - config.sparse_prompt_tokens)
+    model.set_attn_implementation(REFERENCE_NAME)
+    sequence = torch.cat([ids, *tokens], dim=1)
+    with torch.no_grad():
+        for step, got in enumerate(patched):
+            length = PROMPT + step
+            want = model(input_ids=sequence[:, :length], use_cache=False).logits
+            want = want if step == 0 else want[:, -1:]
+            torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
+        model.set_attn_implementation("sdpa")
+        dense = model(input_ids=sequence, use_cache=False).logits
+    # The budget really is small: sparse logits differ from dense ones (so this test can fail).
+    assert (patched[-1][:, -1] - dense[:, -1]).abs().max() > 1e-3
+
+
+def left_padded_batch(lengths, seed):
+    rows = [random_ids(1, n, seed + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return rows, ids, mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_generate_batch_with_left_padding_equals_unbatched(kind, cache_implementation):
+    model = tiny_model(kind)
+    adapters = tiny_adapters(model)
+    config = HashAttentionConfig(sink_tokens=2, local_tokens=4, budget_tokens=14, sparse_prompt_tokens=5)
+    rows, ids, mask = left_padded_batch([37, 23, 30], seed=10)
+    generate = dict(
+        max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True,
+        cache_implementation=cache_implementation,
+    )
+    with patch(model, adapters, config), torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, **generate)
+        # Padding is never selected: other pad ids (other pad keys) change nothing.
+        repadded = model.generate(ids.masked_fill(mask == 0, 7), attention_mask=mask, **generate)
+        singles = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), **generate) for row in rows]
+    new_tokens = batched.sequences[:, ids.shape[1] :]
+    assert torch.equal(new_tokens, repadded.sequences[:, ids.shape[1] :])
+    for i, single in enumerate(singles):
+        assert torch.equal(new_tokens[i], single.sequences[0, len(rows[i]) :]), f"sequence {i}"
+        for step, (scores, single_scores) in enumerate(zip(batched.scores, single.scores)):
+            torch.testing.assert_close(scores[i], single_scores[0], **LOGIT_TOLERANCE, msg=f"sequence {i} step {step}")
+
+
+def test_sampling_with_top_k_1_equals_greedy_and_sampling_runs():
+    model = tiny_model("llama")
+    config = HashAttentionConfig(sink_tokens=2, local_tokens=4, budget_tokens=14, sparse_prompt_tokens=5)
+    ids = random_ids(2, 30, seed=5)
+    with patch(model, tiny_adapters(model), config), torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+        top1 = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=1)
+        torch.manual_seed(0)
+        sampled = model.generate(ids, max_new_tokens=6, do_sample=True, temperature=1.5)
+        torch.manual_seed(0)
+        sampled_again = model.generate(ids, max_new_tokens=6, do_sample=True, temperature=1.5)
+    assert torch.equal(greedy, top1)
+    assert sampled.shape == greedy.shape and torch.equal(sampled, sampled_again)
+
+
+def test_patch_and_unpatch_restore_outputs():
+    model = tiny_model("llama")
+    ids = random_ids(1, 32, seed=6)
+    with torch.no_grad():
+        before = model(ids).logits
+        config = HashAttentionConfig(sink_tokens=2, local_tokens=2, budget_tokens=8, sparse_prompt_tokens=16)
+        handle = patch(model, tiny_adapters(model), config)
+        assert is_patched(model) and model.config._attn_implementation == "hashattention"
+        patched = model(ids).logits
+        unpatch(model)
+        after = model(ids).logits
+        with patch(model, tiny_adapters(model), config):
+            inside = model(ids).logits
+        outside = model(ids).logits
+    assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert torch.equal(before, after) and torch.equal(before, outside)
+    assert (patched - before).abs().max() > 1e-3 and torch.equal(patched, inside)
+    assert handle.model is model
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(model)
+
+
+def test_dense_layers_and_decode_only_prompt():
+    """dense_layers run SDPA (no signatures); sparse_prompt_tokens=0 keeps the whole prompt dense."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 30, seed=8)
+    with torch.no_grad():
+        dense = model(ids).logits
+        config = HashAttentionConfig(sink_tokens=2, local_tokens=2, budget_tokens=6, sparse_prompt_tokens=0)
+        with patch(model, tiny_adapters(model), config):
+            prompt_dense = model(ids).logits
+        config = HashAttentionConfig(
+            sink_tokens=2, local_tokens=2, budget_tokens=6, sparse_prompt_tokens=30, dense_layers=[0, 1]
+        )
+        with patch(model, tiny_adapters(model), config):
+            cache = DynamicCache(config=model.config)
+            all_dense_layers = model(ids, past_key_values=cache).logits
+            assert not any(isinstance(layer, SignatureDynamicLayer) for layer in cache.layers)
+    torch.testing.assert_close(prompt_dense, dense, **LOGIT_TOLERANCE)
+    torch.testing.assert_close(all_dense_layers, dense, **LOGIT_TOLERANCE)
+
+
+def test_dense_below_and_sparsity_budget_select_everything_when_short():
+    model = tiny_model("llama")
+    ids = random_ids(1, 30, seed=9)
+    with torch.no_grad():
+        dense = model(ids).logits
+        for config in (
+            HashAttentionConfig(sink_tokens=2, local_tokens=2, budget_tokens=6, sparse_prompt_tokens=30,
+                                dense_below_tokens=31),
+            HashAttentionConfig(sink_tokens=2, local_tokens=2, sparsity=2.0, sparse_prompt_tokens=30,
+                                dense_below_tokens=31),
+        ):
+            with patch(model, tiny_adapters(model), config):
+                torch.testing.assert_close(model(ids).logits, dense, **LOGIT_TOLERANCE)
+        with patch(model, tiny_adapters(model), HashAttentionConfig(sink_tokens=2, local_tokens=2, sparsity=2.0,
+                                                                    sparse_prompt_tokens=30)):
+            assert (model(ids).logits - dense).abs().max() > 1e-3
+
+
+def test_static_decode_step_compiles_without_graph_breaks():
+    """The CPU half of the GPU check: a StaticCache decode step traces as one graph and matches eager."""
+    model = tiny_model("llama")
+    config = HashAttentionConfig(sink_tokens=2, local_tokens=4, budget_tokens=14, sparse_prompt_tokens=5)
+    _, ids, mask = left_padded_batch([20, 14], seed=12)
+    with patch(model, tiny_adapters(model), config), torch.no_grad():
+        results = []
+        for compiled in (False, True):
+            cache = StaticCache(config=model.config, max_cache_len=32)
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            token = out.logits[:, -1:].argmax(-1)
+            step_mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            forward = model.forward
+            if compiled:
+                torch._dynamo.reset()
+                forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+            results.append(forward(input_ids=token, attention_mask=step_mask, past_key_values=cache).logits)
+            if compiled:
+                explanation = torch._dynamo.explain(model.forward)(
+                    input_ids=token, attention_mask=torch.cat([step_mask, torch.ones_like(token)], 1),
+                    past_key_values=cache,
+                )
+                assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.testing.assert_close(results[1], results[0], **LOGIT_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget_tokens=100, sparsity=8.0), "not both"),
+        (dict(budget_tokens=10), "sink_tokens \\+ local_tokens"),
+        (dict(sparsity=1.0), "sparsity"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(selection="per_token"), "selection"),
+        (dict(dense_layers=[-1]), "dense_layers"),
+        (dict(bits=48), "bits"),
+        (dict(sparse_prompt_tokens=1.5), "sparse_prompt_tokens"),
+    ],
+)
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HashAttentionConfig(**kwargs)
+
+
+def test_config_budget_arithmetic():
+    config = HashAttentionConfig(sparsity=16)
+    assert config.total_tokens(4096) == 256 and config.total_tokens(32768) == 2048 and config.total_tokens(100) == 100
+    assert config.heavy_width(32768) == 2048 - 256
+    assert HashAttentionConfig(budget_tokens=512).total_tokens(10_000) == 512
+
+
+def test_patch_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        other = tiny_model("llama")
+        other.config.num_key_value_heads = 4
+        patch(model, tiny_adapters(other))
+    with pytest.raises(ValueError, match="dense_layers"):
+        patch(model, tiny_adapters(model), HashAttentionConfig(dense_layers=[5]))
+    with pytest.raises(ValueError, match="bits"):
+        patch(model, tiny_adapters(model), HashAttentionConfig(bits=64))
+    mistral = tiny_model("mistral")
+    mistral.config.sliding_window = 4096
+    with pytest.raises(ValueError, match="sliding_window"):
+        patch(mistral, tiny_adapters(mistral))
+    assert not is_patched(model) and not is_patched(mistral)
