@@ -1,0 +1,144 @@
+"""Adapters: save/load round trip (safetensors + JSON, no pickle) and the authors' checkpoint converter."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from hashattention import reference
+from hashattention.adapters import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterConfig,
+    HashAdapters,
+    convert_authors_checkpoint,
+)
+
+
+def small_config(**overrides):
+    values = dict(num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=64, hidden_features=(16, 8))
+    values.update(overrides)
+    return AdapterConfig(**values)
+
+
+@pytest.mark.parametrize("key_heads", ["query", "kv"])
+def test_save_load_round_trip(tmp_path, key_heads):
+    torch.manual_seed(0)
+    config = small_config(
+        key_heads=key_heads, bits=64, model="tiny", training={"lr": 1e-3}, validation={"recall@16x": 0.5}
+    )
+    adapters = HashAdapters(config)
+    adapters.save_pretrained(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [CONFIG_NAME, WEIGHTS_NAME]  # no temporary files left
+    with open(tmp_path / CONFIG_NAME) as f:
+        metadata = json.load(f)
+    assert metadata["model"] == "tiny" and metadata["validation"] == {"recall@16x": 0.5}
+    with open(tmp_path / WEIGHTS_NAME, "rb") as f:
+        assert not f.read(64).startswith(b"PK"), "weights must be safetensors, not a pickled zip"
+
+    loaded = HashAdapters.from_pretrained(str(tmp_path))
+    assert loaded.config == adapters.config
+    for (name, a), (other, b) in zip(adapters.state_dict().items(), loaded.state_dict().items()):
+        assert name == other and torch.equal(a, b)
+    x = torch.randn(1, 4, 5, 64)
+    keys = torch.randn(1, 2, 5, 64)
+    assert torch.equal(adapters[1].query_signatures(x), loaded[1].query_signatures(x))
+    assert torch.equal(adapters[1].key_signatures(keys), loaded[1].key_signatures(keys))
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        HashAdapters.from_pretrained(str(tmp_path))
+    HashAdapters(small_config()).save_pretrained(str(tmp_path))
+    path = tmp_path / CONFIG_NAME
+    data = json.loads(path.read_text())
+    data["format_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="format_version"):
+        HashAdapters.from_pretrained(str(tmp_path))
+    data["format_version"] = 1
+    data["num_layers"] = 3  # the weights hold 2 layers
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="does not match"):
+        HashAdapters.from_pretrained(str(tmp_path))
+
+
+class AuthorsLayer(nn.Module):
+    """The authors' per-layer module layout: per head an nn.Sequential(Linear, SiLU, Linear, SiLU, Linear)."""
+
+    def __init__(self, heads, sizes):
+        super().__init__()
+
+        def mlp():
+            return nn.Sequential(
+                nn.Linear(sizes[0], sizes[1]), nn.SiLU(), nn.Linear(sizes[1], sizes[2]), nn.SiLU(),
+                nn.Linear(sizes[2], sizes[3]),
+            )
+
+        self.learning_to_hash_transformation_q = nn.ModuleList(mlp() for _ in range(heads))
+        self.learning_to_hash_transformation_k = nn.ModuleList(mlp() for _ in range(heads))
+
+
+def test_convert_authors_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    layers, heads, kv_heads, sizes = 2, 4, 2, (64, 24, 16, 32)
+    authors = nn.ModuleList(AuthorsLayer(heads, sizes) for _ in range(layers)).to(torch.bfloat16)
+    state = authors.state_dict()
+    assert "1.learning_to_hash_transformation_k.3.4.weight" in state  # the released key layout
+    path = tmp_path / "usa_patch.pt"
+    torch.save(state, path)
+
+    adapters = convert_authors_checkpoint(str(path), num_kv_heads=kv_heads, model="tiny")
+    config = adapters.config
+    assert (config.num_layers, config.num_query_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 64)
+    assert (config.hidden_features, config.bits, config.key_heads) == ((24, 16), 32, "query")
+
+    x = torch.randn(1, heads, 7, 64)
+    keys = torch.randn(1, kv_heads, 7, 64)
+    for layer in range(layers):
+        for side, inputs, mlp in (
+            ("q", x, adapters[layer].query),
+            ("k", adapters[layer].expand_keys(keys), adapters[layer].key),
+        ):
+            modules = getattr(authors[layer], f"learning_to_hash_transformation_{side}")
+            expected = torch.stack(
+                [modules[h].float()(inputs[0, h]) for h in range(heads)]
+            )[None]  # their MLP, in float32, per head
+            torch.testing.assert_close(mlp(inputs), expected, atol=1e-5, rtol=1e-5)
+        # Packed signatures agree with the float64 reference of the converted weights.
+        q = adapters[layer].query
+        want = reference.encode_signatures(x, list(q.weights), list(q.biases), q.activation)
+        assert torch.equal(adapters[layer].query_signatures(x), want)
+
+    # A converted checkpoint saves and loads like any other.
+    adapters.save_pretrained(str(tmp_path / "converted"))
+    reloaded = HashAdapters.from_pretrained(str(tmp_path / "converted"))
+    assert torch.equal(reloaded[1].query_signatures(x), adapters[1].query_signatures(x))
+
+
+def test_convert_authors_checkpoint_errors():
+    with pytest.raises(ValueError, match="unexpected key"):
+        convert_authors_checkpoint({"0.something_else.weight": torch.zeros(1)}, num_kv_heads=1)
+    with pytest.raises(ValueError, match="no learning_to_hash_transformation"):
+        convert_authors_checkpoint({}, num_kv_heads=1)
+    state = AuthorsLayer(2, (64, 8, 8, 32)).state_dict()
+    gapped = {f"1.{name}": tensor for name, tensor in state.items()}  # layer 0 missing
+    with pytest.raises(ValueError, match="gaps"):
+        convert_authors_checkpoint(gapped, num_kv_heads=1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(num_kv_heads=3), "num_kv_heads"),
+        (dict(key_heads="token"), "key_heads"),
+        (dict(bits=40), "bits"),
+        (dict(activation="softplus"), "activation"),
+    ],
+)
+def test_adapter_config_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
