@@ -12,6 +12,8 @@ from ._library import load_extension
 _C = load_extension()
 
 from . import ops, reference  # noqa: E402
+from .adapters import AdapterConfig, HashAdapters  # noqa: E402
+from .config import HashAttentionConfig  # noqa: E402
 from .ops import (  # noqa: E402
     encode_signatures,
     hamming_scores,
@@ -23,10 +25,26 @@ from .ops import (  # noqa: E402
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # patch / unpatch import transformers (seconds): loaded on first use, not with the ops.
+    if name in ("patch", "unpatch", "is_patched"):
+        from . import patching
+
+        return getattr(patching, name)
+    raise AttributeError(f"module 'hashattention' has no attribute {name!r}")
+
+
 #: True when the CUDA kernels were compiled into the extension.
 WITH_CUDA: bool = bool(_C.with_cuda)
 
 __all__ = [
+    "AdapterConfig",
+    "HashAdapters",
+    "HashAttentionConfig",
+    "is_patched",
+    "patch",
+    "unpatch",
     "encode_signatures",
     "hamming_scores",
     "hamming_topk",

@@ -15,7 +15,7 @@ offsets from the boolean mask built by :func:`hashattention_mask` (the first vis
 the last query row); budgets are computed on the device. Nothing is read back to the host,
 so a static-cache decode step can be captured in a CUDA graph.
 
-:mod:`hashattention.patch` passes the per-layer state through two keyword arguments that a
+:mod:`hashattention.patching` passes the per-layer state through two keyword arguments that a
 forward pre-hook adds to each attention module's call: ``hashattention`` (a
 :class:`LayerRuntime`) and ``hashattention_cache_layer`` (the signature cache layer, or None
 without a cache). Without them (e.g. a module called outside a patched model) the function

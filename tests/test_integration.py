@@ -6,7 +6,7 @@ from transformers import DynamicCache, StaticCache
 
 from hashattention.cache import SignatureDynamicLayer, SignatureStaticLayer
 from hashattention.config import HashAttentionConfig
-from hashattention.patch import is_patched, patch, unpatch
+from hashattention.patching import is_patched, patch, unpatch
 
 from hf_models import PAD, REFERENCE_NAME, configure_reference, random_ids, tiny_adapters, tiny_model
 

@@ -7,7 +7,7 @@ import torch
 from hashattention.adapters import HashAdapters
 from hashattention.config import HashAttentionConfig
 from hashattention.offline_model import load_smollm2
-from hashattention.patch import patch
+from hashattention.patching import patch
 
 
 def test_smollm2_generates_with_hashattention():
