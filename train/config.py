@@ -1,0 +1,189 @@
+"""The training recipe as one dataclass, loadable from a TOML/JSON file and overridable by flags.
+
+Defaults follow the paper (../shared/docs/reference-notes.md §2): 32 bits, a per-head MLP
+``head_dim -> 128 -> SiLU -> 128 -> SiLU -> 32``, labels = true top-32 of q·k/√d outside the sink
+and local windows, BCE with positive weight ``alpha + beta * n`` (alpha 20, beta 0), Adam lr 1e-3.
+
+Two defaults are scaled for short-context models such as SmolLM2 (sequences of 2K tokens instead of
+32K-64K): ``sink_tokens``/``local_tokens`` are 8/8 instead of 128/128, which keeps the windows the same
+share of the context (1/128 of n each) so a sparsity budget still leaves room for heavy tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE_CORPUS = os.path.join(REPO_ROOT, "train", "sample_corpus")
+
+
+def default_corpus() -> str:
+    """``../shared/corpus`` next to the clone when present (this machine and CI), else the shipped sample."""
+    shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "corpus")
+    return shared if os.path.isdir(shared) else SAMPLE_CORPUS
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every option of the pipeline (``python -m train <cmd> --help`` lists them as flags).
+
+    Paths: ``work_dir`` holds shards, checkpoints and reports; ``output_dir`` receives the
+    ``HashAdapters.save_pretrained`` directory.
+    """
+
+    # model and data
+    model: str = "smollm2"  # "smollm2" (offline GGUF) or a local Hugging Face model directory
+    tokenizer: str = "auto"  # "auto" (the model's own) or "bytes" (UTF-8 bytes modulo the vocab; tests)
+    dataset: str = "local"  # "local" (text files under corpus) or "openwebtext" (needs network + datasets)
+    corpus: str = dataclasses.field(default_factory=default_corpus)
+    validation_modulus: int = 10  # a document is held out iff crc32(relative path) % modulus == 0
+    document_tokens: int = 8192  # each document contributes at most its first N tokens (0 = all)
+    sequence_tokens: int = 2048
+    train_sequences: int = 32
+    validation_sequences: int = 8
+    queries_per_sequence: int = 256
+    query_start_fraction: float = 0.5  # queries are sampled among positions >= fraction * sequence_tokens
+    shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
+    # labels
+    top_k: int = 32
+    sink_tokens: int = 8
+    local_tokens: int = 8
+    target: str = "qk"  # "qk" (q·k/√d) or "qk_log_value_norm" (q·k/√d + log‖v‖, the paper's lemma)
+    key_heads: str = "query"  # "query" (paper: per query head) or "kv" (group-shared selection)
+    # adapters
+    bits: int = 32
+    hidden_features: Tuple[int, ...] = (128, 128)
+    activation: str = "silu"
+    # fit
+    alpha: float = 20.0
+    beta: float = 0.0
+    threshold: float = 0.0
+    learning_rate: float = 1e-3
+    epochs: int = 4
+    checkpoint_every: int = 16  # steps between atomic checkpoints
+    seed: int = 0
+    layers: Optional[Tuple[int, ...]] = None  # train/validate only these layers (default all)
+    threads: int = 0  # torch intra-op threads per process (0: leave torch's default)
+    # validation
+    sparsities: Tuple[int, ...] = (8, 16, 32)  # budget n/s tokens in total, windows included
+    save_dtype: str = "bfloat16"  # dtype of the shipped adapter weights
+    # paths
+    work_dir: str = "runs/default"
+    output_dir: str = ""  # default: <work_dir>/adapters
+
+    def __post_init__(self):
+        self.hidden_features = tuple(int(h) for h in self.hidden_features)
+        self.sparsities = tuple(int(s) for s in self.sparsities)
+        if self.layers is not None:
+            self.layers = tuple(int(x) for x in self.layers)
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ("sequence_tokens", "queries_per_sequence", "top_k", "bits", "epochs", "checkpoint_every",
+                    "validation_modulus")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("train_sequences", "validation_sequences", "sink_tokens", "local_tokens", "threads",
+                     "document_tokens"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.query_start_fraction < 1.0:
+            raise ValueError(f"TrainConfig.query_start_fraction must be in [0, 1), got {self.query_start_fraction}")
+        first_query = self.first_query_position
+        if first_query >= self.sequence_tokens or self.sequence_tokens - first_query < self.queries_per_sequence:
+            raise ValueError(
+                f"TrainConfig: {self.queries_per_sequence} queries per sequence do not fit in positions "
+                f"[{first_query}, {self.sequence_tokens}) (raise sequence_tokens or lower queries_per_sequence)"
+            )
+        choices = {"target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
+                   "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
+                   "save_dtype": ("float32", "bfloat16", "float16")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.bits % 32:
+            raise ValueError(f"TrainConfig.bits must be a multiple of 32, got {self.bits}")
+        if any(s < 1 for s in self.sparsities):
+            raise ValueError(f"TrainConfig.sparsities must be positive, got {self.sparsities}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+
+    @property
+    def first_query_position(self) -> int:
+        """Queries need eligible keys outside the windows: at least top_k of them."""
+        floor = self.sink_tokens + self.local_tokens + self.top_k
+        return max(floor, int(self.query_start_fraction * self.sequence_tokens))
+
+    @property
+    def adapters_dir(self) -> str:
+        return self.output_dir or os.path.join(self.work_dir, "adapters")
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key, value in d.items():
+            if isinstance(value, tuple):
+                d[key] = list(value)
+        return d
+
+    # -- files and flags -------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str) -> Dict[str, Any]:
+        """Read a ``.toml`` or ``.json`` file into a dict of field values (unknown keys are errors)."""
+        if path.endswith(".toml"):
+            import tomllib
+
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        elif path.endswith(".json"):
+            with open(path) as f:
+                values = json.load(f)
+        else:
+            raise ValueError(f"config file {path!r} must end in .toml or .json")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"config file {path!r} has unknown keys {unknown}; known: {sorted(known)}")
+        return values
+
+
+def _field_type(field: dataclasses.Field) -> str:
+    return str(field.type)
+
+
+def add_config_arguments(parser) -> None:
+    """One ``--flag`` per :class:`TrainConfig` field (dashes for underscores), all defaulting to None so
+    that only flags given on the command line override the config file."""
+    parser.add_argument("--config", help="TOML or JSON file of TrainConfig fields; flags override it")
+    defaults = TrainConfig.__new__(TrainConfig)  # field defaults without running validation
+    for field in dataclasses.fields(TrainConfig):
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        flag = "--" + field.name.replace("_", "-")
+        kind = _field_type(field)
+        help_text = f"(default: {default!r})"
+        if "Tuple" in kind:
+            element = float if "float" in kind else int
+            parser.add_argument(flag, type=element, nargs="+", default=None, help=help_text)
+        elif kind in ("int",):
+            parser.add_argument(flag, type=int, default=None, help=help_text)
+        elif kind in ("float",):
+            parser.add_argument(flag, type=float, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=str, default=None, help=help_text)
+    del defaults
+
+
+def config_from_arguments(args) -> TrainConfig:
+    """Defaults < config file < flags."""
+    values: Dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(TrainConfig.from_file(args.config))
+    for field in dataclasses.fields(TrainConfig):
+        value = getattr(args, field.name, None)
+        if value is not None:
+            values[field.name] = value
+    return TrainConfig(**values)
