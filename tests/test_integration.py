@@ -263,3 +263,22 @@ def test_patch_errors():
     with pytest.raises(ValueError, match="sliding_window"):
         patch(mistral, tiny_adapters(mistral))
     assert not is_patched(model) and not is_patched(mistral)
+
+
+def test_beam_search_reorders_signatures_with_the_cache():
+    """Beam search at a small budget == the cache-free oracle generating with the same selection."""
+    model = tiny_model("llama")
+    adapters = tiny_adapters(model)
+    config = HashAttentionConfig(sink_tokens=2, local_tokens=3, budget_tokens=12, sparse_prompt_tokens=4)
+    ids = random_ids(1, 32, seed=13)
+    beam = dict(max_new_tokens=6, num_beams=3, do_sample=False)
+    with patch(model, adapters, config), torch.no_grad():
+        patched = model.generate(ids, **beam)
+    configure_reference(adapters, config, sparse_from=ids.shape[1] - config.sparse_prompt_tokens)
+    model.set_attn_implementation(REFERENCE_NAME)
+    with torch.no_grad():
+        oracle = model.generate(ids, use_cache=False, **beam)
+        model.set_attn_implementation("sdpa")
+        dense = model.generate(ids, **beam)
+    assert torch.equal(patched, oracle)
+    assert not torch.equal(patched, dense)  # the budget changes the outcome, so reordering matters
