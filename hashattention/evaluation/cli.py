@@ -1,0 +1,139 @@
+"""Command line: ``python -m hashattention.evaluation [options]``.
+
+Writes ``results.md``, ``results.json``, ``recall_vs_sparsity.png``, ``task_score_vs_sparsity.png``,
+``recall_per_layer.png`` and the per-sample cache ``samples.jsonl`` into ``--output-dir``.
+Re-running the same command resumes: finished per-sample results are read back, not recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from . import tasks, text
+from .harness import Evaluation, EvaluationConfig
+from .report import markdown, write_report
+from .selectors import selector_names
+
+PRETRAINED_SMOLLM2 = os.path.join(text.REPO_ROOT, "hashattention", "pretrained", "smollm2-135m-instruct")
+
+
+def _ints(value: str) -> List[int]:
+    return [int(v) for v in value.split(",") if v]
+
+
+def _floats(value: str) -> List[float]:
+    return [float(v) for v in value.split(",") if v]
+
+
+def _names(value: str) -> List[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hashattention.evaluation",
+        description="Compare KV-selection methods (full, oracle top-k, StreamingLLM, H2O, Quest, Double Sparsity, "
+                    "SimHash LSH, HashAttention) on one model: recall of the true top-k, attention mass, NLL and "
+                    "RULER-style tasks. Writes a Markdown table, JSON and PNG plots; resumes from its per-sample cache.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2' (the offline SmolLM2-135M-Instruct GGUF) or a local Hugging Face model directory")
+    parser.add_argument("--tokenizer", default="auto", choices=("auto", "byte"),
+                        help="'auto': the model's tokenizer; 'byte': UTF-8 bytes (tiny test models, vocab >= 257)")
+    parser.add_argument("--output-dir", default=os.path.join("results", "evaluation"))
+    parser.add_argument("--selectors", type=_names, default=[],
+                        help=f"comma-separated; default all: {','.join(selector_names())}")
+    parser.add_argument("--list-selectors", action="store_true", help="print the registered selectors and exit")
+    parser.add_argument("--contexts", type=_ints, default=[2048, 4096, 8192], help="context lengths in tokens")
+    parser.add_argument("--sparsities", type=_floats, default=[8.0, 16.0, 32.0],
+                        help="s: floor(n / s) attended tokens per row, windows included")
+    parser.add_argument("--tasks", type=_names, default=list(tasks.TASKS), help="comma-separated RULER-style tasks")
+    parser.add_argument("--task-samples", type=int, default=4, help="samples per task and context")
+    parser.add_argument("--nll-samples", type=int, default=4, help="held-out sequences per context for NLL and recall")
+    parser.add_argument("--nll-tokens", type=int, default=64, help="last tokens of each sequence decoded sparsely")
+    parser.add_argument("--sparse-prompt-tokens", type=int, default=32,
+                        help="last prompt tokens of a task that already run sparse (the paper's RULER setting: 32)")
+    parser.add_argument("--sink-tokens", type=int, default=8)
+    parser.add_argument("--local-tokens", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=32, help="k of the recall metric")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", default=text.default_corpus(), help="folder of .txt files")
+    parser.add_argument("--held-out-modulus", type=int, default=10,
+                        help="a corpus file is evaluation text iff crc32(relative path) %% modulus == 0")
+    parser.add_argument("--calibration-tokens", type=int, default=2048,
+                        help="tokens of non-held-out text for Double Sparsity's channel calibration")
+    parser.add_argument("--adapters", default=None,
+                        help=f"trained HashAttention adapters; default for smollm2: {PRETRAINED_SMOLLM2}")
+    parser.add_argument("--group-adapters", default=None,
+                        help="adapters for the group-shared selector (default: --adapters)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def load_model(name: str, tokenizer_kind: str):
+    """``(model, tokenizer, display name)``."""
+    if name == "smollm2":
+        from ..offline_model import MODEL_NAME, load_smollm2
+
+        model, tokenizer = load_smollm2()
+        return model, (text.ByteTokenizer() if tokenizer_kind == "byte" else tokenizer), MODEL_NAME
+    if not os.path.isdir(name):
+        raise ValueError(f"--model must be 'smollm2' or a local model directory, got {name!r}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    tokenizer = text.ByteTokenizer() if tokenizer_kind == "byte" else AutoTokenizer.from_pretrained(name)
+    return model, tokenizer, os.path.basename(os.path.abspath(name))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_selectors:
+        print("\n".join(selector_names()))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adapters = args.adapters
+    if adapters is None and args.model == "smollm2" and os.path.isdir(PRETRAINED_SMOLLM2):
+        adapters = PRETRAINED_SMOLLM2
+    model, tokenizer, model_name = load_model(args.model, args.tokenizer)
+    config = EvaluationConfig(
+        output_dir=args.output_dir,
+        selectors=args.selectors,
+        contexts=args.contexts,
+        sparsities=args.sparsities,
+        tasks=args.tasks,
+        task_samples=args.task_samples,
+        nll_samples=args.nll_samples,
+        nll_tokens=args.nll_tokens,
+        sparse_prompt_tokens=args.sparse_prompt_tokens,
+        sink_tokens=args.sink_tokens,
+        local_tokens=args.local_tokens,
+        top_k=args.top_k,
+        seed=args.seed,
+        corpus=os.path.abspath(args.corpus),
+        held_out_modulus=args.held_out_modulus,
+        calibration_tokens=args.calibration_tokens,
+        adapters_dir=adapters,
+        group_adapters_dir=args.group_adapters,
+        model_name=model_name,
+        progress=not args.no_progress,
+    )
+    results = Evaluation(model, tokenizer, config).run()
+    paths = write_report(results, args.output_dir)
+    print(markdown(results))
+    print("wrote " + ", ".join(sorted(paths.values())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The evaluation loop: every selector x sparsity x context on NLL text and RULER-style tasks.
+
+Per sample, the part of the sequence that runs dense is prefilled once (with the selectors
+that keep statistics of dense rows watching, e.g. H2O) and its KV cache copied for each
+(selector, sparsity) job, so the expensive prefill is shared. Jobs:
+
+* **nll**: held-out text of ``context`` tokens; the last ``nll_tokens`` predictions are made by
+  rows that run sparse (one chunk, teacher forcing -- identical to decoding them one by one,
+  since each row only attends to earlier positions); recall@k and attention mass are recorded
+  at those rows, per layer.
+* **task**: a RULER-style prompt of ``context`` tokens; its last ``sparse_prompt_tokens`` rows
+  run sparse (RULER in the paper: 32), then greedy decoding runs sparse until EOS, the task's
+  token limit, or every reference string appears in the output (string_match_all cannot
+  change after that).
+
+The full model runs once per sample (sparsity "dense"), first. Budgets: sparsity ``s`` means
+``floor(n / s)`` attended tokens per row, windows included, with ``n`` the position where
+sparse rows start (:meth:`Budget.for_sparsity`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from . import attention_hook, metrics, tasks, text
+from .attention_hook import SparseRun, activate
+from .selectors import Budget, ModelShape, Selector, SelectorSetup, SelectorUnavailable, create_selector, selector_names
+from .store import ResultStore, fingerprint, record_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EvaluationConfig:
+    """Every setting of one evaluation (the CLI exposes each as a flag)."""
+
+    output_dir: str
+    selectors: Sequence[str] = ()  # empty: every registered selector
+    contexts: Sequence[int] = (2048, 4096, 8192)
+    sparsities: Sequence[float] = (8, 16, 32)
+    tasks: Sequence[str] = tasks.TASKS
+    task_samples: int = 4
+    nll_samples: int = 4
+    nll_tokens: int = 64
+    sparse_prompt_tokens: int = 32
+    sink_tokens: int = 8
+    local_tokens: int = 8
+    top_k: int = 32
+    seed: int = 0
+    corpus: str = dataclasses.field(default_factory=text.default_corpus)
+    held_out_modulus: int = 10
+    calibration_tokens: int = 2048
+    adapters_dir: Optional[str] = None
+    group_adapters_dir: Optional[str] = None
+    model_name: str = ""
+    progress: bool = True
+
+    def __post_init__(self):
+        if not self.selectors:
+            self.selectors = selector_names()
+        unknown = [s for s in self.selectors if s not in selector_names()]
+        if unknown:
+            raise ValueError(f"selectors: unknown {unknown}; registered: {selector_names()}")
+        unknown = [t for t in self.tasks if t not in tasks.TASKS]
+        if unknown:
+            raise ValueError(f"tasks: unknown {unknown}; available: {list(tasks.TASKS)}")
+        for name in ("task_samples", "nll_samples", "sink_tokens", "local_tokens", "sparse_prompt_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("nll_tokens", "top_k", "calibration_tokens", "held_out_modulus"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if any(c < 1 for c in self.contexts):
+            raise ValueError(f"contexts must be positive token counts, got {list(self.contexts)}")
+        if any(s < 1 for s in self.sparsities):
+            raise ValueError(f"sparsities must be >= 1, got {list(self.sparsities)}")
+
+    def result_settings(self) -> Dict[str, Any]:
+        """The settings that change per-sample results (the store's fingerprint)."""
+        keys = ("nll_tokens", "sparse_prompt_tokens", "sink_tokens", "local_tokens", "top_k", "seed", "corpus",
+                "held_out_modulus", "calibration_tokens", "adapters_dir", "group_adapters_dir", "model_name")
+        return {k: getattr(self, k) for k in keys}
+
+
+class _DenseObservers(Selector):
+    """Forwards the dense rows of the shared prefill to every selector that keeps statistics of them."""
+
+    def __init__(self, selectors: Sequence[Selector]):
+        super().__init__()
+        self.selectors = list(selectors)
+
+    def observe_dense(self, layer, query, key, scaling):
+        for selector in self.selectors:
+            selector.observe_dense(layer, query, key, scaling)
+
+
+class _CalibrationCapture(Selector):
+    """Keeps every layer's post-RoPE queries and keys of a dense pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.captured = {}
+
+    def observe_dense(self, layer, query, key, scaling):
+        self.captured[layer] = (query.detach().float().cpu(), key.detach().float().cpu())
+
+
+def _observes_dense(selector: Selector) -> bool:
+    return type(selector).observe_dense is not Selector.observe_dense
+
+
+@torch.no_grad()
+def _forward(model, input_ids: List[int], cache, logits_to_keep: int = 1):
+    ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)
+    return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+
+
+class Evaluation:
+    """One evaluation of ``model`` (a transformers causal LM) with ``tokenizer``."""
+
+    def __init__(self, model, tokenizer, config: EvaluationConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.shape = ModelShape.from_config(model.config)
+        self.store = ResultStore(f"{config.output_dir}/samples.jsonl", fingerprint(config.result_settings()))
+        self.notes: List[str] = []
+        self.selectors: Dict[str, Selector] = {}
+        self.unavailable: Dict[str, str] = {}
+        held_out = text.read_split(config.corpus, held_out=True, modulus=config.held_out_modulus)
+        rest = text.read_split(config.corpus, held_out=False, modulus=config.held_out_modulus)
+        if not held_out:
+            raise ValueError(f"corpus {config.corpus!r} has no held-out file (crc32(path) % {config.held_out_modulus} == 0)")
+        if not rest:
+            self.notes.append("the corpus has no non-held-out file: calibration text is the held-out text")
+            rest = held_out
+        self.held_out_texts, self.other_texts = held_out, rest
+        self.sentences = text.sentences(held_out)
+        self.words = text.word_pool(rest + held_out)
+        self._held_out_ids: Optional[List[int]] = None
+
+    # ------------------------------------------------------------------ setup
+    def _token_ids(self, texts: Sequence[str], count: int) -> List[int]:
+        ids: List[int] = []
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        for document in texts:
+            ids.extend(self.tokenizer.encode(document, add_special_tokens=False))
+            if eos is not None:
+                ids.append(int(eos))
+            if len(ids) >= count:
+                break
+        return ids[:count]
+
+    def _calibration(self) -> Dict[int, Any]:
+        ids = self._token_ids(self.other_texts, self.config.calibration_tokens)
+        capture = _CalibrationCapture()
+        with attention_hook.evaluation_attention(self.model), activate(SparseRun(selector=capture)):
+            _forward(self.model, ids, DynamicCache(config=self.model.config))
+        return capture.captured
+
+    def prepare_selectors(self) -> None:
+        calibration = self._calibration()
+        setup = SelectorSetup(
+            shape=self.shape,
+            calibration=calibration,
+            adapters_dir=self.config.adapters_dir,
+            group_adapters_dir=self.config.group_adapters_dir,
+            seed=self.config.seed,
+        )
+        for name in self.config.selectors:
+            selector = create_selector(name)
+            try:
+                selector.prepare(setup)
+            except SelectorUnavailable as error:
+                self.unavailable[name] = str(error)
+                self.notes.append(f"selector {name} skipped: {error}")
+                log.warning("selector %s skipped: %s", name, error)
+                continue
+            self.selectors[name] = selector
+
+    # ------------------------------------------------------------------ jobs
+    def _jobs(self):
+        """(selector name, sparsity or None) in evaluation order: the full model first."""
+        jobs = []
+        for name, selector in self.selectors.items():
+            if selector.dense:
+                jobs.append((name, None))
+            else:
+                jobs.extend((name, float(s)) for s in self.config.sparsities)
+        return jobs
+
+    def _prefill(self, prefix_ids: List[int]):
+        """Dense prefill shared by the jobs of one sample: ``(cache, per-selector states)``."""
+        for selector in self.selectors.values():
+            selector.start_sequence()
+        observers = _DenseObservers([s for s in self.selectors.values() if _observes_dense(s)])
+        cache = DynamicCache(config=self.model.config)
+        with activate(SparseRun(selector=observers)):
+            _forward(self.model, prefix_ids, cache)
+        return cache, {name: s.save_state() for name, s in self.selectors.items()}
+
+    def _budget(self, sparse_from: int, sparsity: Optional[float]) -> Optional[Budget]:
+        if sparsity is None:
+            return None
+        return Budget.for_sparsity(sparse_from, sparsity, self.config.sink_tokens, self.config.local_tokens)
+
+    def _nll_sequence(self, context: int, index: int) -> List[int]:
+        needed = (index + 1) * context
+        if self._held_out_ids is None or len(self._held_out_ids) < needed:
+            self._held_out_ids = self._token_ids(self.held_out_texts, max(needed, 4 * context))
+        ids = self._held_out_ids[index * context : (index + 1) * context]
+        if len(ids) < context:
+            raise ValueError(f"the held-out text has fewer than {needed} tokens for NLL sample {index} at {context}")
+        return ids
+
+    def _run_nll(self, context: int, index: int, bar) -> None:
+        cfg = self.config
+        jobs = [(n, s) for n, s in self._jobs() if record_key("nll", context, index, n, s) not in self.store]
+        if not jobs:
+            return
+        ids = self._nll_sequence(context, index)
+        tokens = min(cfg.nll_tokens, context - 2)
+        sparse_from = context - 1 - tokens
+        cache, states = self._prefill(ids[:sparse_from])
+        chunk, targets = ids[sparse_from : context - 1], torch.tensor(ids[sparse_from + 1 :])
+        for name, sparsity in jobs:
+            selector = self.selectors[name]
+            selector.load_state(states[name])
+            recorder = metrics.SelectionRecorder(cfg.sink_tokens, cfg.local_tokens, cfg.top_k)
+            run = SparseRun(selector, self._budget(sparse_from, sparsity), sparse_from, recorder)
+            started = time.perf_counter()
+            with activate(run):
+                out = _forward(self.model, chunk, copy.deepcopy(cache), logits_to_keep=0)
+            nll = metrics.token_nll(out.logits[0].float().cpu(), targets)
+            layers = recorder.per_layer()
+            self.store.add(record_key("nll", context, index, name, sparsity), {
+                "kind": "nll", "context": context, "sample": index, "selector": name, "sparsity": sparsity,
+                "nll_sum": float(nll.sum()), "tokens": int(nll.numel()),
+                "recall_per_layer": layers["recall"], "mass_per_layer": layers["mass"],
+                "seconds": time.perf_counter() - started,
+            })
+            bar.update(1)
+
+    def _run_task(self, task: str, context: int, index: int, bar) -> None:
+        cfg = self.config
+        jobs = [(n, s) for n, s in self._jobs() if record_key("task", context, index, n, s, task) not in self.store]
+        if not jobs:
+            return
+        sample = tasks.build_sample(task, index, context, cfg.seed, self.tokenizer, self.sentences, self.words)
+        ids = sample.input_ids
+        sparse_from = max(len(ids) - cfg.sparse_prompt_tokens, 1)
+        cache, states = self._prefill(ids[:sparse_from])
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        for name, sparsity in jobs:
+            selector = self.selectors[name]
+            selector.load_state(states[name])
+            run = SparseRun(selector, self._budget(sparse_from, sparsity), sparse_from, None)
+            started = time.perf_counter()
+            generated: List[int] = []
+            step_cache = copy.deepcopy(cache)
+            with activate(run):
+                logits = _forward(self.model, ids[sparse_from:], step_cache).logits
+                for _ in range(sample.max_new_tokens):
+                    token = int(logits[0, -1].argmax())
+                    if eos is not None and token == eos:
+                        break
+                    generated.append(token)
+                    if metrics.string_match_all(self.tokenizer.decode(generated), sample.references) == 1.0:
+                        break
+                    logits = _forward(self.model, [token], step_cache).logits
+            output = self.tokenizer.decode(generated, skip_special_tokens=True)
+            self.store.add(record_key("task", context, index, name, sparsity, task), {
+                "kind": "task", "task": task, "context": context, "sample": index, "selector": name,
+                "sparsity": sparsity, "prompt_tokens": len(ids), "output": output, "references": sample.references,
+                "score": metrics.string_match_all(output, sample.references),
+                "seconds": time.perf_counter() - started,
+            })
+            bar.update(1)
+
+    def run(self) -> Dict[str, Any]:
+        """Run every missing job (cached ones are skipped) and return the aggregated results."""
+        from tqdm.auto import tqdm
+
+        torch.manual_seed(self.config.seed)
+        cfg = self.config
+        with attention_hook.evaluation_attention(self.model):
+            if not self.selectors:
+                self.prepare_selectors()
+            per_sample = len(self._jobs())
+            total = per_sample * len(cfg.contexts) * (cfg.nll_samples + cfg.task_samples * len(cfg.tasks))
+            with tqdm(total=total, disable=not cfg.progress, desc="evaluation", unit="job") as bar:
+                for context in cfg.contexts:
+                    for index in range(cfg.nll_samples):
+                        bar.set_postfix_str(f"nll {context} #{index}")
+                        before = bar.n
+                        self._run_nll(context, index, bar)
+                        bar.update(per_sample - (bar.n - before))  # cached jobs count as done
+                    for task in cfg.tasks:
+                        for index in range(cfg.task_samples):
+                            bar.set_postfix_str(f"{task} {context} #{index}")
+                            before = bar.n
+                            self._run_task(task, context, index, bar)
+                            bar.update(per_sample - (bar.n - before))
+        from .report import aggregate
+
+        return aggregate(self)

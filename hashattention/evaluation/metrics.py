@@ -1,0 +1,135 @@
+"""Metrics: selection quality (recall of the true top-k, attention mass), token NLL, RULER string match.
+
+Selection metrics are measured at the rows that run sparse, against the true scores of the
+same queries and keys (``q . k * scaling``, causal):
+
+* **recall@k**: the share of the true top-``k`` keys that the selection contains, where the top
+  is taken among the keys outside the row's sink and local windows (``sink <= j <= p - local``;
+  the windows are always selected, so counting them would only inflate recall -- the same
+  definition the adapter training uses for its labels). Rows with no eligible key are skipped;
+  rows with fewer than ``k`` eligible keys use all of them.
+* **attention mass**: the share of the row's dense softmax probability that falls on the
+  selected keys (windows included); 1 for the full model.
+
+Both are per query head; a group-shared selection counts for each head of its group.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .selectors.base import repeat_kv_heads
+
+
+def selection_mask(indices: Tensor, counts: Tensor, keys: int, query_heads: int) -> Tensor:
+    """bool ``(B, Hq, P, N)`` from int32 ``indices (B, Hs, P, K)`` and ``counts (B, Hs, P)``."""
+    batch, heads, rows, width = indices.shape
+    valid = torch.arange(width, device=indices.device) < counts[..., None]
+    target = torch.where(valid & (indices >= 0), indices, keys).long()
+    mask = torch.zeros(batch, heads, rows, keys + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, target, True)
+    return repeat_kv_heads(mask[..., :keys], query_heads // heads)
+
+
+def true_logits(query: Tensor, key: Tensor, scaling: float) -> Tensor:
+    """float32 causal ``q . k * scaling`` ``(B, Hq, P, N)`` for the last ``P`` positions (future = -inf)."""
+    keys = key.shape[2]
+    rows = query.shape[2]
+    key_rep = repeat_kv_heads(key, query.shape[1] // key.shape[1]).float()
+    logits = torch.matmul(query.float(), key_rep.transpose(-1, -2)) * scaling
+    positions = torch.arange(keys, device=query.device)
+    row_positions = keys - rows + torch.arange(rows, device=query.device)
+    return logits.masked_fill(positions[None, :] > row_positions[:, None], float("-inf"))
+
+
+def recall_at_k(logits: Tensor, selected: Tensor, sink_tokens: int, local_tokens: int, k: int = 32) -> Tensor:
+    """float32 ``(B, Hq, P)``: share of the true top-``k`` eligible keys that are selected (NaN: none eligible).
+
+    Args:
+        logits: causal true scores ``(B, Hq, P, N)`` (``-inf`` for future keys), rows at the last positions.
+        selected: bool ``(B, Hq, P, N)``.
+    """
+    keys = logits.shape[-1]
+    rows = logits.shape[-2]
+    positions = torch.arange(keys, device=logits.device)
+    row_positions = keys - rows + torch.arange(rows, device=logits.device)
+    eligible = (positions[None, :] >= sink_tokens) & (positions[None, :] <= row_positions[:, None] - local_tokens)
+    eligible_count = eligible.sum(-1)  # (P,)
+    masked = logits.masked_fill(~eligible, float("-inf"))
+    take = min(k, keys)
+    if take == 0:
+        return torch.full(logits.shape[:-1], float("nan"))
+    top = masked.topk(take, dim=-1).indices  # (B, Hq, P, take); slots beyond eligible_count are not real
+    real = torch.arange(take, device=logits.device)[None, :] < eligible_count[:, None]  # (P, take)
+    hits = (selected.gather(-1, top) & real).sum(-1).float()
+    denominator = real.sum(-1).float()  # (P,)
+    recall = hits / denominator
+    return recall.masked_fill(denominator == 0, float("nan"))
+
+
+def attention_mass(logits: Tensor, selected: Tensor) -> Tensor:
+    """float32 ``(B, Hq, P)``: dense softmax probability of the selected keys."""
+    probabilities = torch.softmax(logits, dim=-1)
+    return (probabilities * selected).sum(-1)
+
+
+class SelectionRecorder:
+    """Accumulates recall@k and attention mass per layer over every recorded sparse row and head."""
+
+    def __init__(self, sink_tokens: int, local_tokens: int, top_k: int = 32):
+        self.sink_tokens, self.local_tokens, self.top_k = sink_tokens, local_tokens, top_k
+        self.recall_sum: Dict[int, float] = {}
+        self.recall_rows: Dict[int, int] = {}
+        self.mass_sum: Dict[int, float] = {}
+        self.mass_rows: Dict[int, int] = {}
+
+    def record(self, layer: int, query: Tensor, key: Tensor, selected: Tensor, scaling: float) -> None:
+        """``selected``: bool ``(B, Hq, P, N)`` for the last ``P`` rows of ``key`` ``(B, Hkv, N, D)``."""
+        logits = true_logits(query, key, scaling)
+        recall = recall_at_k(logits, selected, self.sink_tokens, self.local_tokens, self.top_k)
+        mass = attention_mass(logits, selected)
+        finite = ~torch.isnan(recall)
+        self.recall_sum[layer] = self.recall_sum.get(layer, 0.0) + float(recall[finite].sum())
+        self.recall_rows[layer] = self.recall_rows.get(layer, 0) + int(finite.sum())
+        self.mass_sum[layer] = self.mass_sum.get(layer, 0.0) + float(mass.sum())
+        self.mass_rows[layer] = self.mass_rows.get(layer, 0) + mass.numel()
+
+    def per_layer(self) -> Dict[str, List[Optional[float]]]:
+        """``{"recall": [...], "mass": [...]}`` means per layer (index = layer; None: nothing recorded)."""
+        layers = max(list(self.mass_rows) + [-1]) + 1
+        recall = [self.recall_sum[l] / self.recall_rows[l] if self.recall_rows.get(l) else None for l in range(layers)]
+        mass = [self.mass_sum[l] / self.mass_rows[l] if self.mass_rows.get(l) else None for l in range(layers)]
+        return {"recall": recall, "mass": mass}
+
+
+def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """float64 ``(T,)`` negative log-likelihood of ``targets (T,)`` under ``logits (T, V)``."""
+    return torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
+
+
+def mean_ignoring_none(values: Sequence[Optional[float]]) -> Optional[float]:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def _normalise(text: str) -> str:
+    return text.lower()  # RULER compares lower-cased strings, nothing more
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """RULER's ``string_match_all`` for one sample: the share of references found (case-insensitive) in the prediction, in [0, 1]."""
+    if not references:
+        raise ValueError("references must not be empty")
+    text = _normalise(prediction)
+    return sum(_normalise(r) in text for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """RULER's ``string_match_part``: 1 if any reference is found in the prediction, else 0."""
+    if not references:
+        raise ValueError("references must not be empty")
+    text = _normalise(prediction)
+    return float(any(_normalise(r) in text for r in references))

@@ -1,0 +1,221 @@
+"""Aggregation of per-sample records into tables, JSON and PNG plots.
+
+Numbers per (context, selector, sparsity), averaged over samples:
+
+* ``recall``: recall@k of the true top-k, averaged over sparse rows and heads, per layer
+  (``recall_per_layer``) and over layers; ``mass``: likewise for the attention mass;
+* ``nll``: mean next-token NLL (nats) of the sparse-decoded tokens; ``delta_nll``: minus the
+  full model's on the same tokens;
+* ``tasks``: per task, RULER ``string_match_all`` x 100 averaged over samples; ``task_average``:
+  their mean over tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from .metrics import mean_ignoring_none
+
+
+def _mean(values: List[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def _layer_mean(vectors: List[List[Optional[float]]]) -> List[Optional[float]]:
+    if not vectors:
+        return []
+    layers = max(len(v) for v in vectors)
+    return [mean_ignoring_none([v[l] for v in vectors if l < len(v)]) for l in range(layers)]
+
+
+def aggregate(evaluation) -> Dict[str, Any]:
+    """Results of the current grid from ``evaluation.store`` (an :class:`~.harness.Evaluation`)."""
+    cfg = evaluation.config
+    levels = {name: ([None] if selector.dense else [float(s) for s in cfg.sparsities])
+              for name, selector in evaluation.selectors.items()}
+    rows = []
+    for context in cfg.contexts:
+        dense_nll = {}
+        for record in evaluation.store:
+            if record["kind"] == "nll" and record["context"] == context and evaluation.selectors.get(record["selector"]) \
+                    is not None and evaluation.selectors[record["selector"]].dense:
+                dense_nll[record["sample"]] = record["nll_sum"] / record["tokens"]
+        for name, sparsities in levels.items():
+            for sparsity in sparsities:
+                nll_records = [r for r in evaluation.store if r["kind"] == "nll" and r["context"] == context
+                               and r["selector"] == name and r["sparsity"] == sparsity and r["sample"] < cfg.nll_samples]
+                task_records = [r for r in evaluation.store if r["kind"] == "task" and r["context"] == context
+                                and r["selector"] == name and r["sparsity"] == sparsity
+                                and r["sample"] < cfg.task_samples and r["task"] in cfg.tasks]
+                recall_layers = _layer_mean([r["recall_per_layer"] for r in nll_records])
+                mass_layers = _layer_mean([r["mass_per_layer"] for r in nll_records])
+                nll = _mean([r["nll_sum"] / r["tokens"] for r in nll_records])
+                deltas = [r["nll_sum"] / r["tokens"] - dense_nll[r["sample"]] for r in nll_records
+                          if r["sample"] in dense_nll]
+                per_task = {}
+                for task in cfg.tasks:
+                    scores = [100.0 * r["score"] for r in task_records if r["task"] == task]
+                    if scores:
+                        per_task[task] = _mean(scores)
+                rows.append({
+                    "context": context,
+                    "selector": name,
+                    "sparsity": sparsity,
+                    "recall": mean_ignoring_none(recall_layers),
+                    "mass": mean_ignoring_none(mass_layers),
+                    "recall_per_layer": recall_layers,
+                    "mass_per_layer": mass_layers,
+                    "nll": nll,
+                    "delta_nll": _mean(deltas),
+                    "nll_samples": len(nll_records),
+                    "tasks": per_task,
+                    "task_average": _mean(list(per_task.values())) if len(per_task) == len(cfg.tasks) else None,
+                    "task_samples": len(task_records),
+                })
+    selectors = {
+        name: {"aux_bits_per_token": selector.aux_bits_per_token(evaluation.shape), "available": True}
+        for name, selector in evaluation.selectors.items()
+    }
+    for name, reason in evaluation.unavailable.items():
+        selectors[name] = {"available": False, "reason": reason}
+    return {
+        "model": cfg.model_name,
+        "shape": vars(evaluation.shape),
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
+        "selectors": selectors,
+        "notes": list(evaluation.notes),
+        "rows": rows,
+    }
+
+
+def _fmt(value: Optional[float], digits: int = 3, signed: bool = False) -> str:
+    if value is None:
+        return "–"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _level(sparsity: Optional[float]) -> str:
+    return "dense" if sparsity is None else f"{sparsity:g}x"
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The headline table (recall, mass, ΔNLL, task average) and the per-task table, per context."""
+    cfg = results["config"]
+    selectors = results["selectors"]
+    lines = [
+        f"Model: {results['model'] or 'unnamed'} · windows: sink {cfg['sink_tokens']} + local {cfg['local_tokens']} · "
+        f"recall of the true top-{cfg['top_k']} · NLL over the last {cfg['nll_tokens']} tokens "
+        f"({cfg['nll_samples']} sample(s)) · tasks: {cfg['task_samples']} sample(s) each, last "
+        f"{cfg['sparse_prompt_tokens']} prompt tokens sparse · seed {cfg['seed']}",
+        "",
+    ]
+    for context in cfg["contexts"]:
+        rows = [r for r in results["rows"] if r["context"] == context]
+        if not rows:
+            continue
+        lines += [f"### Context {context} tokens", "",
+                  "| selector | aux bits/token/layer | sparsity | recall@{k} | attention mass | ΔNLL (nats) | task avg |".format(
+                      k=cfg["top_k"]),
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            aux = selectors.get(r["selector"], {}).get("aux_bits_per_token")
+            aux_text = "–" if aux is None else f"{aux:g}"
+            lines.append(f"| {r['selector']} | {aux_text} | {_level(r['sparsity'])} | {_fmt(r['recall'])} | "
+                         f"{_fmt(r['mass'])} | {_fmt(r['delta_nll'], signed=True)} | {_fmt(r['task_average'], 1)} |")
+        lines.append("")
+        task_names = [t for t in cfg["tasks"] if any(t in r["tasks"] for r in rows)]
+        if task_names:
+            lines += ["| selector | sparsity | " + " | ".join(task_names) + " |",
+                      "|---|---:|" + "---:|" * len(task_names)]
+            for r in rows:
+                lines.append(f"| {r['selector']} | {_level(r['sparsity'])} | "
+                             + " | ".join(_fmt(r["tasks"].get(t), 1) for t in task_names) + " |")
+            lines.append("")
+    unavailable = {n: s["reason"] for n, s in selectors.items() if not s["available"]}
+    for name, reason in unavailable.items():
+        lines.append(f"- `{name}` not evaluated: {reason}")
+    for note in results["notes"]:
+        if not any(note.endswith(reason) for reason in unavailable.values()):
+            lines.append(f"- {note}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plots(results: Dict[str, Any], directory: str) -> List[str]:
+    """recall_vs_sparsity.png, task_score_vs_sparsity.png, recall_per_layer.png; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = results["config"]
+    contexts = [c for c in cfg["contexts"] if any(r["context"] == c for r in results["rows"])]
+    written = []
+    if not contexts:
+        return written
+    sparse_names = list(dict.fromkeys(r["selector"] for r in results["rows"] if r["sparsity"] is not None))
+
+    def by_sparsity(metric: str, filename: str, ylabel: str):
+        fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
+        for ax, context in zip(axes[0], contexts):
+            rows = [r for r in results["rows"] if r["context"] == context]
+            for name in sparse_names:
+                points = sorted((r["sparsity"], r[metric]) for r in rows
+                                if r["selector"] == name and r["sparsity"] is not None and r[metric] is not None)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            dense = [r[metric] for r in rows if r["sparsity"] is None and r[metric] is not None]
+            if dense:
+                ax.axhline(dense[0], color="black", linestyle="--", linewidth=1, label="full (dense)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([float(s) for s in cfg["sparsities"]], [f"{float(s):g}x" for s in cfg["sparsities"]])
+            ax.set_title(f"context {context}")
+            ax.set_xlabel("sparsity")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = os.path.join(directory, filename)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    by_sparsity("recall", "recall_vs_sparsity.png", f"recall of true top-{cfg['top_k']}")
+    if any(r["task_average"] is not None for r in results["rows"]):
+        by_sparsity("task_average", "task_score_vs_sparsity.png", "task score (avg, %)")
+
+    sparsities = [float(s) for s in cfg["sparsities"]]
+    chosen = 16.0 if 16.0 in sparsities else sparsities[len(sparsities) // 2]
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for r in results["rows"]:
+            if r["context"] == context and r["sparsity"] == chosen and r["recall_per_layer"]:
+                values = r["recall_per_layer"]
+                ax.plot(range(len(values)), [float("nan") if v is None else v for v in values], marker=".",
+                        label=r["selector"])
+        ax.set_title(f"context {context}, {chosen:g}x")
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"recall of true top-{cfg['top_k']}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = os.path.join(directory, "recall_per_layer.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write_report(results: Dict[str, Any], directory: str) -> Dict[str, str]:
+    """Write results.json, results.md and the plots into ``directory``; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = {"json": os.path.join(directory, "results.json"), "markdown": os.path.join(directory, "results.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+        f.write("\n")
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(results))
+    for path in plots(results, directory):
+        paths[os.path.splitext(os.path.basename(path))[0]] = path
+    return paths

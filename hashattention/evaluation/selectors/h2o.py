@@ -1,0 +1,68 @@
+"""H2O (Zhang et al., 2023): heavy hitters by accumulated attention.
+
+A key's score is the sum of the attention probabilities every earlier query row of the same
+head gave it -- dense probabilities for the prefill rows, and, once decoding is sparse, the
+probabilities the sparse attention actually computed over the selected rows (unselected keys
+receive nothing, as if evicted). Because the scores only grow, a key that drops out of the
+top-m can never overtake the kept ones again: top-m by accumulated score reproduces H2O's
+greedy eviction (kept set = sink + recent window + heavy hitters) without deleting K/V rows.
+Selection is per query head. The hook feeds sparse rows one at a time (``sequential_rows``),
+so each row sees the attention of the rows before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Selector, repeat_kv_heads
+
+_ROW_CHUNK = 256  # dense prefill rows per softmax block (bounds the (B, Hq, rows, N) temporary)
+
+
+class HeavyHitterOracle(Selector):
+    name = "h2o"
+    sequential_rows = True
+
+    def aux_bits_per_token(self, shape):
+        return 32.0 * shape.num_query_heads  # one fp32 accumulated score per query head
+
+    def _accumulator(self, layer, batch, heads, keys, device):
+        acc = self.state.get(layer)
+        if acc is None:
+            acc = torch.zeros(batch, heads, keys, dtype=torch.float32, device=device)
+        elif acc.shape[-1] < keys:
+            acc = torch.nn.functional.pad(acc, (0, keys - acc.shape[-1]))
+        self.state[layer] = acc
+        return acc
+
+    def observe_dense(self, layer, query, key, scaling):
+        batch, heads, rows, _ = query.shape
+        keys = key.shape[2]
+        acc = self._accumulator(layer, batch, heads, keys, query.device)
+        key_rep = repeat_kv_heads(key, heads // key.shape[1]).float()
+        positions = torch.arange(keys, device=query.device)
+        for first in range(0, rows, _ROW_CHUNK):
+            block = query[:, :, first : first + _ROW_CHUNK].float()
+            row_positions = keys - rows + first + torch.arange(block.shape[2], device=query.device)
+            logits = torch.matmul(block, key_rep.transpose(-1, -2)) * scaling
+            logits = logits.masked_fill(positions[None, :] > row_positions[:, None], float("-inf"))
+            acc += torch.softmax(logits, dim=-1).sum(dim=2)
+
+    def scores(self, layer, query, key, scaling):
+        batch, heads = query.shape[:2]
+        acc = self._accumulator(layer, batch, heads, key.shape[2], query.device)
+        return acc[:, :, None, : key.shape[2]].expand(batch, heads, query.shape[2], key.shape[2])
+
+    def observe_sparse(self, layer, query, key, indices, counts, lse, scaling):
+        batch, heads, rows, _ = query.shape
+        keys = key.shape[2]
+        acc = self._accumulator(layer, batch, heads, keys, query.device)
+        key_rep = repeat_kv_heads(key, heads // key.shape[1]).float()
+        logits = torch.matmul(query.float(), key_rep.transpose(-1, -2)) * scaling  # (B, Hq, P, N)
+        probs = torch.exp(logits - lse[..., None])
+        selected = torch.zeros(batch, indices.shape[1], rows, keys + 1, dtype=torch.bool, device=query.device)
+        slots = torch.arange(indices.shape[-1], device=query.device)
+        valid = slots < counts[..., None]
+        selected.scatter_(-1, torch.where(valid, indices, keys).long(), True)
+        selected = repeat_kv_heads(selected[..., :keys], heads // indices.shape[1])
+        acc += (probs * selected).sum(dim=2)
