@@ -151,6 +151,43 @@ class TrainConfig:
         return values
 
 
+HELP = {
+    "model": '"smollm2" (the offline GGUF model) or a local Hugging Face model directory',
+    "tokenizer": '"auto" (the model\'s own) or "bytes" (UTF-8 bytes modulo the vocabulary, for test models)',
+    "dataset": '"local" (text files under --corpus) or "openwebtext" (online, needs the datasets package)',
+    "corpus": "folder of .txt files (default: ../shared/corpus next to the clone, else train/sample_corpus)",
+    "validation_modulus": "a document is held out iff crc32(relative path) %% modulus == 0",
+    "document_tokens": "each document contributes at most its first N tokens (0 = all)",
+    "sequence_tokens": "tokens per sequence (documents are concatenated, EOS between them)",
+    "train_sequences": "training sequences to collect",
+    "validation_sequences": "held-out sequences to collect",
+    "queries_per_sequence": "query positions sampled per sequence",
+    "query_start_fraction": "queries are sampled among positions >= fraction * sequence_tokens",
+    "shard_dtype": "storage dtype of captured queries/keys: float32 or bfloat16",
+    "top_k": "labels: the true top-k keys by the target score",
+    "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
+    "local_tokens": "local window (latest tokens), excluded from labels and always selected",
+    "target": '"qk" (q.k/sqrt(d)) or "qk_log_value_norm" (q.k/sqrt(d) + log||v||)',
+    "key_heads": '"query" (one key MLP per query head, the paper) or "kv" (per KV head, group-shared selection)',
+    "bits": "signature bits (multiple of 32)",
+    "hidden_features": "hidden layer widths of each MLP",
+    "activation": "activation between MLP layers (silu, relu, gelu, tanh, identity)",
+    "alpha": "positive weight = alpha + beta * n (n = keys the query sees)",
+    "beta": "positive weight = alpha + beta * n",
+    "threshold": "subtracted from tanh(f_q)·tanh(f_k) before the sigmoid",
+    "learning_rate": "Adam learning rate",
+    "epochs": "passes over the training sequences per layer",
+    "checkpoint_every": "optimizer steps between atomic checkpoints",
+    "seed": "seed of initialisation, data order, query sampling and LSH projections",
+    "layers": "train/validate only these layers (default: all)",
+    "threads": "torch intra-op threads per process (0: torch's default)",
+    "sparsities": "validation budgets n/s (tokens in total, windows included)",
+    "save_dtype": "dtype of the written adapter weights: bfloat16, float16 or float32",
+    "work_dir": "shards, checkpoints, per-layer weights and validation reports",
+    "output_dir": "where the adapters are saved (default: <work_dir>/adapters)",
+}
+
+
 def _field_type(field: dataclasses.Field) -> str:
     return str(field.type)
 
@@ -164,7 +201,7 @@ def add_config_arguments(parser) -> None:
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         flag = "--" + field.name.replace("_", "-")
         kind = _field_type(field)
-        help_text = f"(default: {default!r})"
+        help_text = f"{HELP.get(field.name, '')} (default: {default!r})".strip()
         if "Tuple" in kind:
             element = float if "float" in kind else int
             parser.add_argument(flag, type=element, nargs="+", default=None, help=help_text)
