@@ -154,7 +154,8 @@ def to_signature_layer(layer, adapter: LayerAdapter):
             converted.cumulative_length = layer.cumulative_length
             # Unwritten rows get meaningless signatures; they lie beyond the valid length and are never read.
             converted.key_signatures = adapter.key_signatures(layer.keys).contiguous()
-            torch._dynamo.mark_static_address(converted.key_signatures)
+            if not is_torchdynamo_compiling():
+                torch._dynamo.mark_static_address(converted.key_signatures)
             converted.is_initialized = True
         return converted
     raise ValueError(

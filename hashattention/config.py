@@ -26,9 +26,11 @@ from typing import Optional, Sequence, Tuple
 SELECTION_MODES = ("query_head", "kv_group")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class HashAttentionConfig:
-    """Inference settings of HashAttention (validated on construction; errors are ``ValueError``).
+    """Inference settings of HashAttention (immutable, validated on construction; errors are ``ValueError``).
+
+    Change a field with ``dataclasses.replace(config, sparsity=32)`` (validated again) and patch again.
 
     Attributes:
         sink_tokens: first tokens of each sequence always attended (paper: 128).
@@ -68,7 +70,7 @@ class HashAttentionConfig:
                 f"(got budget_tokens={self.budget_tokens!r}, sparsity={self.sparsity!r})"
             )
         if self.budget_tokens is None and self.sparsity is None:
-            self.sparsity = 16.0
+            object.__setattr__(self, "sparsity", 16.0)  # frozen: normalise through object.__setattr__
         if self.budget_tokens is not None:
             _require_int("budget_tokens", self.budget_tokens, minimum=0)
             windows = self.sink_tokens + self.local_tokens
@@ -82,13 +84,15 @@ class HashAttentionConfig:
                 raise ValueError(f"HashAttentionConfig.sparsity must be a number > 1, got {self.sparsity!r}")
             if not math.isfinite(self.sparsity) or self.sparsity <= 1:
                 raise ValueError(f"HashAttentionConfig.sparsity must be a finite number > 1, got {self.sparsity!r}")
-            self.sparsity = float(self.sparsity)
+            object.__setattr__(self, "sparsity", float(self.sparsity))
         if self.selection not in SELECTION_MODES:
             raise ValueError(f"HashAttentionConfig.selection must be one of {SELECTION_MODES}, got {self.selection!r}")
+        if isinstance(self.dense_layers, (int, str)) or not hasattr(self.dense_layers, "__iter__"):
+            raise ValueError(f"HashAttentionConfig.dense_layers must be a sequence of layer indices, got {self.dense_layers!r}")
         layers = tuple(self.dense_layers)
         for layer in layers:
             _require_int("dense_layers entries", layer, minimum=0)
-        self.dense_layers = tuple(sorted(set(layers)))
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
         if self.bits is not None:
             _require_int("bits", self.bits, minimum=32)
             if self.bits % 32:

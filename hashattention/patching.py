@@ -107,7 +107,8 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
 
     Returns:
         A :class:`PatchHandle`, usable as a context manager. Patching a patched model
-        replaces the previous patch. Caches filled before patching cannot be continued.
+        replaces the previous patch. A cache filled before patching is continued (its keys are
+        encoded once, on first use); one filled under other adapters raises ``ValueError``.
     """
     config = HashAttentionConfig() if config is None else config
     if not isinstance(adapters, HashAdapters):

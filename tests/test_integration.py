@@ -1,5 +1,7 @@
 """The Hugging Face integration on tiny random-weight Llama / Mistral models (CPU, float32)."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
@@ -232,6 +234,7 @@ def test_static_decode_step_compiles_without_graph_breaks():
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(selection="per_token"), "selection"),
         (dict(dense_layers=[-1]), "dense_layers"),
+        (dict(dense_layers=3), "dense_layers"),
         (dict(bits=48), "bits"),
         (dict(sparse_prompt_tokens=1.5), "sparse_prompt_tokens"),
     ],
@@ -242,7 +245,10 @@ def test_config_errors(kwargs, message):
 
 
 def test_config_budget_arithmetic():
-    config = HashAttentionConfig(sparsity=16)
+    config = HashAttentionConfig()
+    assert config.sparsity == 16.0 and config.budget_tokens is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sparsity = 2.0
     assert config.total_tokens(4096) == 256 and config.total_tokens(32768) == 2048 and config.total_tokens(100) == 100
     assert config.heavy_width(32768) == 2048 - 256
     assert HashAttentionConfig(budget_tokens=512).total_tokens(10_000) == 512
@@ -282,3 +288,27 @@ def test_beam_search_reorders_signatures_with_the_cache():
         dense = model.generate(ids, **beam)
     assert torch.equal(patched, oracle)
     assert not torch.equal(patched, dense)  # the budget changes the outcome, so reordering matters
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_cache_filled_before_patch_is_continued(cache_kind):
+    """Plain cache layers filled unpatched are converted (their keys encoded once) and decode on sparse."""
+    model = tiny_model("llama")
+    adapters = tiny_adapters(model)
+    ids = random_ids(1, PROMPT, seed=14)
+    # Reference: patched from the start, with a dense prompt like the unpatched prefill below.
+    config = HashAttentionConfig(sink_tokens=3, local_tokens=4, budget_tokens=15, sparse_prompt_tokens=0)
+    with torch.no_grad():
+        with patch(model, adapters, config):
+            want, tokens = stepwise_logits(model, ids, make_cache(cache_kind, model, PROMPT + STEPS), steps=3)
+        cache = make_cache(cache_kind, model, PROMPT + STEPS)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # unpatched prefill
+        with patch(model, adapters, config):
+            got = []
+            for token in tokens:
+                got.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits)
+            other = tiny_adapters(model, seed=99)
+        with patch(model, other, config), pytest.raises(ValueError, match="other HashAttention adapters"):
+            model(input_ids=tokens[0], past_key_values=cache, use_cache=True)
+    for step, (g, w) in enumerate(zip(got, want[1:])):
+        torch.testing.assert_close(g, w, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
