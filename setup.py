@@ -61,6 +61,27 @@ def _want_cuda() -> bool:
     return has_sources and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+def _cuda_library_includes() -> list:
+    """Include dirs for the CUDA library headers that torch's own headers pull in (cusparse.h, ...).
+
+    A toolkit that ships only the compiler (as on the CI machine) lacks them; torch's CUDA
+    wheels install them under site-packages/nvidia/*/include, so use those when needed.
+    """
+    home = cpp_extension.CUDA_HOME or ""
+    if os.path.exists(os.path.join(home, "include", "cusparse.h")):
+        return []
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels torch depends on
+    except ImportError:
+        return []
+    found = []
+    for root in nvidia.__path__:
+        for include in sorted(glob.glob(os.path.join(root, "*", "include"))):
+            if os.path.exists(os.path.join(include, "cusparse.h")):
+                found.append(include)
+    return found[:1]
+
+
 def _extension():
     debug = _flag("HASHATTENTION_DEBUG")
     with_cuda = _want_cuda()
@@ -75,8 +96,10 @@ def _extension():
     define_macros = [("Py_LIMITED_API", "0x030A0000")]
     extra = {"cxx": cxx}
 
+    include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        include_dirs += _cuda_library_includes()
         sources += cuda_sources
         define_macros.append(("HASHATTENTION_WITH_CUDA", "1"))
         nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr"]
@@ -90,7 +113,7 @@ def _extension():
     return ext_type(
         name="hashattention._C",
         sources=sources,
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=extra,
         py_limited_api=True,

@@ -1,0 +1,162 @@
+// CUDA kernels of `encode_signatures`, `pack_signs` and `hamming_scores`.
+//
+// Encoding: the per-head MLP runs as batched matrix products through ATen (cuBLAS) in float32
+// -- the same arithmetic as the CPU kernel, so bits differ only where a pre-sign value is
+// within float32 summation-order error of 0 -- and the last layer's bias add, the sign and the
+// packing are fused into one kernel: each warp reads 32 consecutive outputs (one 128-byte
+// coalesced load) and a warp ballot turns their signs into the int32 word.
+#include <torch/library.h>
+
+#include <string>
+
+#include "checks.h"
+#include "cuda_common.cuh"
+#include "op_arguments.h"
+#include "outputs.h"
+
+namespace hashattention {
+namespace cuda {
+namespace {
+
+// values: contiguous (rows, bits); bias: contiguous (heads, bits) or nullptr, where the row
+// r belongs to head (r / tokens) % heads. out: (rows, bits / 32).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    sign_pack_kernel(const scalar_t* __restrict__ values, const float* __restrict__ bias, int32_t* __restrict__ out,
+                     int64_t words_total, int64_t bits, int64_t tokens, int64_t heads) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps_total = int64_t(gridDim.x) * kWarps;
+  for (int64_t word = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); word < words_total; word += warps_total) {
+    const int64_t element = word * 32 + lane;
+    // Compare in float like the CPU kernel (a tiny positive double rounds to 0 -> bit 0).
+    float v = static_cast<float>(values[element]);
+    if (bias != nullptr) {
+      const int64_t row = element / bits;
+      v += bias[((row / tokens) % heads) * bits + element % bits];
+    }
+    const unsigned bits_word = __ballot_sync(0xffffffffu, v > 0.0f);  // NaN > 0 is false: bit 0
+    if (lane == 0) out[word] = static_cast<int32_t>(bits_word);
+  }
+}
+
+void launch_sign_pack(const at::Tensor& values, const at::Tensor& bias, at::Tensor& out, int64_t bits,
+                      int64_t tokens, int64_t heads) {
+  const int64_t words_total = out.numel();
+  if (words_total == 0) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(words_total, kWarps), int64_t(multiprocessor_count()) * 16);
+  const float* bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "sign_pack_cuda", [&] {
+    sign_pack_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(values.data_ptr<scalar_t>(), bias_data,
+                                                                out.data_ptr<int32_t>(), words_total, bits,
+                                                                tokens, heads);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void apply_activation_(at::Tensor& h, const std::string& activation) {
+  if (activation == "silu") {
+    at::silu_(h);
+  } else if (activation == "relu") {
+    at::relu_(h);
+  } else if (activation == "gelu") {
+    h = at::gelu(h);
+  } else if (activation == "tanh") {
+    at::tanh_(h);
+  }  // "identity": nothing to do
+}
+
+// One thread per output score; the query words of a row are the same for a whole warp
+// (L1 broadcast), the key words are read coalesced along N.
+__global__ void __launch_bounds__(kThreads)
+    hamming_scores_kernel(const int32_t* __restrict__ q, int64_t qs0, int64_t qs1, int64_t qs2,
+                          const int32_t* __restrict__ k, int64_t ks0, int64_t ks1, int64_t ks2,
+                          int32_t* __restrict__ out, int64_t total, int64_t keys, int64_t rows,
+                          int64_t selection_heads, int64_t group, int64_t per_key, int64_t words) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t n = i % keys;
+    const int64_t row = i / keys;
+    const int64_t l = row % rows;
+    const int64_t s = (row / rows) % selection_heads;
+    const int64_t b = row / (rows * selection_heads);
+    int32_t score = 0;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = s * group + g;
+      const int32_t* qr = q + b * qs0 + h * qs1 + l * qs2;
+      const int32_t* kr = k + b * ks0 + (h / per_key) * ks1 + n * ks2;
+      int32_t distance = 0;
+      for (int64_t w = 0; w < words; ++w) distance += __popc(static_cast<unsigned>(qr[w] ^ kr[w]));
+      score += static_cast<int32_t>(32 * words) - distance;
+    }
+    out[i] = score;
+  }
+}
+
+}  // namespace
+
+at::Tensor pack_signs_cuda(const at::Tensor& values) {
+  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
+                   values.scalar_type());
+  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (..., bits)");
+  const int64_t bits = values.size(-1);
+  TORCH_CHECK_VALUE(bits > 0 && bits % 32 == 0, "values last dimension (bits) must be a positive multiple ",
+                    "of 32, got ", bits);
+  const c10::cuda::CUDAGuard guard(values.device());
+  const at::Tensor contiguous = values.contiguous();
+  auto out_shape = values.sizes().vec();
+  out_shape.back() = bits / 32;
+  at::Tensor out = new_output(out_shape, values.options().dtype(at::kInt));
+  launch_sign_pack(contiguous, at::Tensor(), out, bits, 1, 1);
+  return out;
+}
+
+at::Tensor encode_signatures_cuda(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                                  c10::string_view activation_view) {
+  const std::string activation(activation_view);
+  const EncodeDims dims = check_encode_args(x, weights.vec(), biases.vec(), activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor h = x.to(at::kFloat);  // (B, H, N, in)
+  const size_t layers = weights.size();
+  for (size_t i = 0; i < layers; ++i) {
+    h = at::matmul(h, weights[i].to(at::kFloat).unsqueeze(0));  // (B, H, N, out_i)
+    if (i + 1 < layers) {
+      h.add_(biases[i].to(at::kFloat).unsqueeze(0).unsqueeze(2));
+      apply_activation_(h, activation);
+    }
+  }
+  h = h.contiguous();
+  const at::Tensor last_bias = biases[layers - 1].to(at::kFloat).contiguous();  // added in the pack kernel
+  at::Tensor out = new_output({dims.batch, dims.heads, dims.tokens, dims.words}, x.options().dtype(at::kInt));
+  launch_sign_pack(h, last_bias, out, dims.bits, dims.tokens, dims.heads);
+  return out;
+}
+
+at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
+                               int64_t selection_heads) {
+  const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
+  const c10::cuda::CUDAGuard guard(query_signatures.device());
+  at::Tensor out = new_output({dims.batch, dims.selection_heads, dims.rows, dims.keys},
+                             query_signatures.options().dtype(at::kInt));
+  const int64_t total = out.numel();
+  if (total == 0) return out;
+  const auto& q = query_signatures;
+  const auto& k = key_signatures;
+  const int64_t blocks = std::min<int64_t>(ceil_div(total, kThreads), int64_t(multiprocessor_count()) * 32);
+  hamming_scores_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<int32_t>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<int32_t>(), k.stride(0),
+      k.stride(1), k.stride(2), out.data_ptr<int32_t>(), total, dims.keys, dims.rows, dims.selection_heads,
+      dims.heads_per_selection(), dims.query_heads_per_key_head(), dims.words);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
+  m.impl("encode_signatures", &cuda::encode_signatures_cuda);
+  m.impl("pack_signs", &cuda::pack_signs_cuda);
+  m.impl("hamming_scores", &cuda::hamming_scores_cuda);
+}
+
+}  // namespace hashattention

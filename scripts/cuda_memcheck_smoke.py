@@ -1,0 +1,67 @@
+"""Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see scripts/gpu_check.sh).
+
+Covers each kernel path once or twice: sign-and-pack, Hamming scores, the chunked fast path and
+the radix-select path of hamming_topk, topk_from_scores, sparse_attention with one and with
+several splits, HF and paged layouts, with counts and without. Results are compared with the
+CPU kernels so the run also fails on wrong answers. Prints OK at the end.
+"""
+
+import torch
+
+import hashattention as ha
+
+
+def signatures(shape, g):
+    return torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def main():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 64, generator=g)
+    weights = [torch.randn(3, 64, 32, generator=g), torch.randn(3, 32, 64, generator=g)]
+    biases = [torch.randn(3, 32, generator=g), torch.randn(3, 64, generator=g)]
+    ha.encode_signatures(x.cuda(), [w.cuda() for w in weights], [b.cuda() for b in biases])
+    values = torch.randn(7, 96, generator=g)
+    assert torch.equal(ha.pack_signs(values.cuda()).cpu(), ha.pack_signs(values))
+
+    for words, hq, hk, hs, keys in ((1, 8, 2, 2, 3000), (2, 4, 4, 4, 700), (32, 4, 4, 1, 300)):
+        q_sig, k_sig = signatures((2, hq, 3, words), g), signatures((2, hk, keys, words), g)
+        assert torch.equal(ha.hamming_scores(q_sig.cuda(), k_sig.cuda(), hs).cpu(), ha.hamming_scores(q_sig, k_sig, hs))
+        lengths = torch.tensor([keys, keys // 3], dtype=torch.int32)
+        starts = torch.tensor([0, 5], dtype=torch.int32)
+        kwargs = dict(selection_heads=hs, sink_tokens=4, local_tokens=8, budget_tokens=keys // 5)
+        got = ha.hamming_topk(q_sig.cuda(), k_sig.cuda(), lengths=lengths.cuda(), start_positions=starts.cuda(), **kwargs)
+        expected = ha.hamming_topk(q_sig, k_sig, lengths=lengths, start_positions=starts, **kwargs)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected)), f"hamming_topk W={words}"
+
+    scores = torch.randn(2, 3, 2, 900, generator=g)
+    got = ha.topk_from_scores(scores.cuda(), sink_tokens=3, local_tokens=3, budget_tokens=100)
+    expected = ha.topk_from_scores(scores, sink_tokens=3, local_tokens=3, budget_tokens=100)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected)), "topk_from_scores"
+
+    for dtype, head_dim, width in ((torch.bfloat16, 128, 40), (torch.float16, 64, 3000), (torch.float32, 256, 300)):
+        q = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+        k = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
+        v = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
+        for hs in (8, 2):
+            indices = torch.randint(-1, 4000, (2, hs, 2, width), generator=g, dtype=torch.int32)
+            counts = torch.randint(0, width + 1, (2, hs, 2), generator=g, dtype=torch.int32)
+            clean = torch.where(torch.arange(width) < counts[..., None], indices.clamp(min=0), -1).to(torch.int32)
+            out, lse = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), clean.cuda(), counts.cuda(), scale=0.1)
+            ref, ref_lse = ha.sparse_attention(q, k, v, clean, counts, scale=0.1)
+            assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"attention {dtype}"
+            ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), scale=0.1)  # no counts, -1 skipped
+        # paged
+        pages = torch.randperm(64, generator=g)[:2 * 32].view(2, 32).to(torch.int32)
+        kp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
+        vp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
+        indices = torch.randint(0, 512, (2, 2, 2, width), generator=g, dtype=torch.int32)
+        out, _ = ha.sparse_attention(q.cuda(), kp.cuda(), vp.cuda(), indices.cuda(), scale=0.1, block_table=pages.cuda())
+        ref, _ = ha.sparse_attention(q, kp, vp, indices, scale=0.1, block_table=pages)
+        assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"paged {dtype}"
+    torch.cuda.synchronize()
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one script that builds and checks the CUDA kernels on a GPU machine, then benchmarks.
+#
+#   OUT=/some/dir bash scripts/gpu_check.sh [--no-bench] [--bench-args "..."]
+#
+# 1. builds the extension in place with the CUDA kernels (sm_90; MAX_JOBS defaults to 16);
+# 2. runs the CUDA half of the op test grid (pytest -k cuda: every device-parametrized test on
+#    "cuda", plus tests/test_cuda_graphs.py and tests/test_cuda_long.py);
+# 3. runs scripts/cuda_memcheck_smoke.py under compute-sanitizer --tool memcheck;
+# 4. runs scripts/bench_decode.py, writing benchmarks/results/bench_decode_<date>.{md,json}
+#    (copied to $OUT).
+# Logs go to $OUT (default /tmp/gpu_check). Exit status: non-zero if any step failed.
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+BENCH=1
+BENCH_ARGS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-bench) BENCH=0 ;;
+    --bench-args) BENCH_ARGS="$2"; shift ;;
+  esac
+  shift
+done
+status=0
+step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+
+step build
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "build took $(( $(date +%s) - start )) s"
+python3 -c "import hashattention as ha; assert ha.WITH_CUDA, 'built without CUDA'; print('WITH_CUDA', ha.WITH_CUDA)" || exit 1
+
+step "pytest (CUDA)"
+timeout 420 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=40 \
+  --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
+tail -25 "$OUT/pytest.log"
+
+step "compute-sanitizer memcheck"
+if command -v compute-sanitizer > /dev/null; then
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 scripts/cuda_memcheck_smoke.py > "$OUT/memcheck.log" 2>&1 || status=1
+  tail -6 "$OUT/memcheck.log"
+else
+  echo "compute-sanitizer not found: skipped"
+fi
+
+if [ "$BENCH" = 1 ]; then
+  step benchmark
+  # shellcheck disable=SC2086
+  timeout 400 python3 scripts/bench_decode.py --out benchmarks/results $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
+  cp benchmarks/results/bench_decode_* "$OUT/" 2>/dev/null
+  grep -v "^B=" "$OUT/bench.log" | tail -45
+fi
+step "done, status $status"
+exit $status
