@@ -37,13 +37,13 @@ echo "build took $(( $(date +%s) - start )) s"
 python3 -c "import hashattention as ha; assert ha.WITH_CUDA, 'built without CUDA'; print('WITH_CUDA', ha.WITH_CUDA)" || exit 1
 
 step "pytest (CUDA)"
-timeout 420 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=40 \
+timeout 330 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=40 \
   --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
 tail -25 "$OUT/pytest.log"
 
 step "compute-sanitizer memcheck"
 if command -v compute-sanitizer > /dev/null; then
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 scripts/cuda_memcheck_smoke.py > "$OUT/memcheck.log" 2>&1 || status=1
   tail -6 "$OUT/memcheck.log"
 else
