@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nll-tokens", type=int, default=64, help="last tokens of each sequence decoded sparsely")
     parser.add_argument("--sparse-prompt-tokens", type=int, default=32,
                         help="last prompt tokens of a task that already run sparse (the paper's RULER setting: 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=0,
+                        help="cap on generated tokens per task answer (0: each task's own limit)")
     parser.add_argument("--sink-tokens", type=int, default=8)
     parser.add_argument("--local-tokens", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=32, help="k of the recall metric")
@@ -126,6 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         adapters_dir=adapters,
         group_adapters_dir=args.group_adapters,
         model_name=model_name,
+        max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,
     )
     results = Evaluation(model, tokenizer, config).run()

@@ -60,6 +60,7 @@ class EvaluationConfig:
     adapters_dir: Optional[str] = None
     group_adapters_dir: Optional[str] = None
     model_name: str = ""
+    max_new_tokens: int = 0  # cap on every task's generation length (0: the task's own limit)
     progress: bool = True
 
     def __post_init__(self):
@@ -71,7 +72,8 @@ class EvaluationConfig:
         unknown = [t for t in self.tasks if t not in tasks.TASKS]
         if unknown:
             raise ValueError(f"tasks: unknown {unknown}; available: {list(tasks.TASKS)}")
-        for name in ("task_samples", "nll_samples", "sink_tokens", "local_tokens", "sparse_prompt_tokens"):
+        for name in ("task_samples", "nll_samples", "sink_tokens", "local_tokens", "sparse_prompt_tokens",
+                     "max_new_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("nll_tokens", "top_k", "calibration_tokens", "held_out_modulus"):
@@ -85,7 +87,8 @@ class EvaluationConfig:
     def result_settings(self) -> Dict[str, Any]:
         """The settings that change per-sample results (the store's fingerprint)."""
         keys = ("nll_tokens", "sparse_prompt_tokens", "sink_tokens", "local_tokens", "top_k", "seed", "corpus",
-                "held_out_modulus", "calibration_tokens", "adapters_dir", "group_adapters_dir", "model_name")
+                "held_out_modulus", "calibration_tokens", "adapters_dir", "group_adapters_dir", "model_name",
+                "max_new_tokens")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -265,7 +268,8 @@ class Evaluation:
             step_cache = copy.deepcopy(cache)
             with activate(run):
                 logits = _forward(self.model, ids[sparse_from:], step_cache).logits
-                for _ in range(sample.max_new_tokens):
+                limit = min(sample.max_new_tokens, cfg.max_new_tokens or sample.max_new_tokens)
+                for _ in range(limit):
                     token = int(logits[0, -1].argmax())
                     if eos is not None and token == eos:
                         break

@@ -126,8 +126,10 @@ class Selector:
     variants: ClassVar[Dict[str, Dict[str, Any]]] = {"": {}}
     #: rows are selected with their keys only (run dense through SDPA) -- the full model.
     dense: ClassVar[bool] = False
-    #: the selection of a row depends on the attention of earlier sparse rows (H2O):
-    #: the hook then feeds the sparse rows one at a time.
+    #: a row's selection depends on more than its own query and each key alone -- the
+    #: attention of earlier sparse rows (H2O) or the other keys of a page (Quest): the hook
+    #: then feeds the sparse rows one at a time, each against the keys up to its position,
+    #: exactly as token-by-token decoding would.
     sequential_rows: ClassVar[bool] = False
     #: "query": one selection per query head; "kv": one per KV group (summed scores).
     selection: str = "query"

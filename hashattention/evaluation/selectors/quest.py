@@ -5,6 +5,7 @@ element-wise minimum and maximum of its keys (per KV head). A page's score for a
 upper bound ``sum_d max(q_d * min_d, q_d * max_d)`` of ``q . k`` over any key inside it, and
 every token of the page gets its page's score, so the shared top-m picks whole pages (ties go
 to later positions, so only the lowest-ranked page can be partially taken). Per query head.
+The last page holds only the keys cached so far, as in decoding.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def page_bounds(key, page_size: int):
 
 class Quest(Selector):
     name = "quest"
+    sequential_rows = True  # the page holding a row's position must not see later keys
 
     def __init__(self, page_size: int = 16):
         super().__init__()

@@ -1,0 +1,116 @@
+"""The evaluation metrics against hand computations."""
+
+import math
+
+import pytest
+import torch
+
+from hashattention.evaluation import metrics, report
+from hashattention.evaluation.store import ResultStore, record_key
+
+
+def test_selection_mask_expands_groups_and_skips_padding():
+    indices = torch.tensor([[[[0, 2, -1]], [[1, 3, 3]]]], dtype=torch.int32)  # (B=1, Hs=2, P=1, K=3)
+    counts = torch.tensor([[[2], [1]]], dtype=torch.int32)
+    mask = metrics.selection_mask(indices, counts, keys=4, query_heads=4)
+    assert mask.shape == (1, 4, 1, 4)
+    expected = [[True, False, True, False]] * 2 + [[False, True, False, False]] * 2
+    assert mask[0, :, 0].tolist() == expected
+
+
+def test_true_logits_are_causal_and_scaled():
+    query = torch.tensor([[[[1.0, 0.0]], ]])  # (1, 1, 1, 2): the last of 3 positions
+    key = torch.tensor([[[[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]]])
+    logits = metrics.true_logits(query, key, scaling=0.5)
+    assert logits[0, 0, 0].tolist() == [0.5, 1.0, 1.5]
+    two_rows = metrics.true_logits(torch.ones(1, 1, 2, 2), key, scaling=1.0)
+    assert two_rows[0, 0, 0, 2].item() == float("-inf") and math.isfinite(two_rows[0, 0, 1, 2].item())
+
+
+def test_recall_at_k_by_hand():
+    # One row at position 9 of 10 keys; sink 1 and local 2 leave positions 1..7 eligible.
+    logits = torch.tensor([[[[9.0, 1.0, 5.0, 2.0, 7.0, 0.0, 6.0, 3.0, 8.0, 9.5]]]])
+    # true top-3 of the eligible: positions 4 (7.0), 6 (6.0), 2 (5.0); position 0/8/9 are windows
+    selected = torch.zeros(1, 1, 1, 10, dtype=torch.bool)
+    selected[..., [0, 4, 2, 8, 9]] = True
+    recall = metrics.recall_at_k(logits, selected, sink_tokens=1, local_tokens=2, k=3)
+    assert recall.item() == pytest.approx(2 / 3)
+    # fewer eligible keys than k: all of them count
+    short = metrics.recall_at_k(logits[..., :5], torch.ones(1, 1, 1, 5, dtype=torch.bool), 1, 2, k=32)
+    assert short.item() == 1.0
+    # nothing eligible: NaN
+    assert math.isnan(metrics.recall_at_k(logits[..., :3], selected[..., :3], 1, 2, k=3).item())
+
+
+def test_attention_mass_by_hand():
+    logits = torch.tensor([[[[0.0, math.log(3.0), float("-inf")]]]])
+    selected = torch.tensor([[[[False, True, False]]]])
+    assert metrics.attention_mass(logits, selected).item() == pytest.approx(0.75)
+
+
+def test_recorder_averages_per_layer():
+    recorder = metrics.SelectionRecorder(sink_tokens=0, local_tokens=0, top_k=1)
+    query = torch.tensor([[[[1.0, 0.0]]]])
+    key = torch.tensor([[[[1.0, 0.0], [-1.0, 0.0]]]])
+    recorder.record(0, query, key, torch.tensor([[[[True, False]]]]), scaling=1.0)  # hits the top-1: recall 1
+    recorder.record(0, query, key, torch.tensor([[[[False, True]]]]), scaling=1.0)  # misses: recall 0
+    recorder.record(2, query, key, torch.tensor([[[[True, True]]]]), scaling=1.0)
+    result = recorder.per_layer()
+    assert result["recall"] == [0.5, None, 1.0]
+    p = math.e / (math.e + math.exp(-1))
+    assert result["mass"][0] == pytest.approx((p + (1 - p)) / 2)
+    assert result["mass"][2] == pytest.approx(1.0)
+
+
+def test_token_nll_by_hand():
+    logits = torch.zeros(2, 4)
+    logits[1, 3] = math.log(3.0)  # probabilities 1/6, 1/6, 1/6, 1/2
+    nll = metrics.token_nll(logits, torch.tensor([0, 3]))
+    assert nll.tolist() == pytest.approx([math.log(4.0), math.log(2.0)])
+
+
+def test_ruler_string_match():
+    assert metrics.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert metrics.string_match_all("ALPHA beta", ["alpha"]) == 1.0
+    assert metrics.string_match_part("nothing here", ["123", "here"]) == 1.0
+    assert metrics.string_match_part("nothing", ["123"]) == 0.0
+    with pytest.raises(ValueError, match="references"):
+        metrics.string_match_all("x", [])
+
+
+def test_store_resumes_and_ignores_other_settings(tmp_path):
+    path = str(tmp_path / "samples.jsonl")
+    store = ResultStore(path, "aaa")
+    key = record_key("nll", 2048, 0, "lsh-32", 16.0)
+    assert key == "nll//2048/0/lsh-32/16x"
+    store.add(key, {"value": 1})
+    with open(path, "a") as f:
+        f.write('{"key": "cut sho')  # an interrupted write
+    again = ResultStore(path, "aaa")
+    assert key in again and len(list(again)) == 1
+    again.add(record_key("task", 2048, 0, "full", None, "vt"), {"value": 2})
+    assert len(list(ResultStore(path, "aaa"))) == 2  # the cut line did not swallow the next record
+    assert len(list(ResultStore(path, "bbb"))) == 0  # other settings: nothing reused
+
+
+def test_markdown_table_rows():
+    results = {
+        "model": "tiny", "notes": [],
+        "config": {"sink_tokens": 8, "local_tokens": 8, "top_k": 32, "nll_tokens": 64, "nll_samples": 1,
+                   "task_samples": 1, "sparse_prompt_tokens": 32, "seed": 0, "contexts": [2048], "tasks": ["vt"],
+                   "sparsities": [16.0]},
+        "selectors": {"full": {"available": True, "aux_bits_per_token": 0.0},
+                      "lsh-32": {"available": True, "aux_bits_per_token": 96.0},
+                      "hashattention": {"available": False, "reason": "no trained adapters"}},
+        "rows": [
+            {"context": 2048, "selector": "full", "sparsity": None, "recall": 1.0, "mass": 1.0, "delta_nll": 0.0,
+             "task_average": 50.0, "tasks": {"vt": 50.0}},
+            {"context": 2048, "selector": "lsh-32", "sparsity": 16.0, "recall": 0.5, "mass": 0.25,
+             "delta_nll": 0.125, "task_average": 0.0, "tasks": {"vt": 0.0}},
+        ],
+    }
+    text = report.markdown(results)
+    assert "| full | 0 | dense | 1.000 | 1.000 | +0.000 | 50.0 |" in text
+    assert "| lsh-32 | 96 | 16x | 0.500 | 0.250 | +0.125 | 0.0 |" in text
+    assert "| lsh-32 | 16x | 0.0 |" in text
+    assert "`hashattention` not evaluated: no trained adapters" in text
