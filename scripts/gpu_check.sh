@@ -36,8 +36,15 @@ fi
 echo "build took $(( $(date +%s) - start )) s"
 python3 -c "import hashattention as ha; assert ha.WITH_CUDA, 'built without CUDA'; print('WITH_CUDA', ha.WITH_CUDA)" || exit 1
 
+step "error probe"
+python3 scripts/cuda_error_probe.py 2>&1 | tee "$OUT/error_probe.log"
+
 step "pytest (CUDA)"
-timeout 330 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=40 \
+# xdist (on the GPU image) keeps going if a test crashes its worker.
+XDIST=""
+python3 -c "import xdist" 2> /dev/null && XDIST="-n 8"
+# shellcheck disable=SC2086
+timeout 330 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=60 $XDIST \
   --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
 tail -25 "$OUT/pytest.log"
 

@@ -127,7 +127,7 @@ def test_encode_pack_and_scores_graph_replays():
     x = torch.empty(1, 4, 3, 64, device=dev)
     weights = [torch.randn(4, 64, 64, generator=g).to(dev) * 0.1, torch.randn(4, 64, 64, generator=g).to(dev) * 0.1]
     biases = [torch.randn(4, 64, generator=g).to(dev) * 0.1, torch.randn(4, 64, generator=g).to(dev) * 0.1]
-    scores_in = torch.empty(2, 4, 3, 500, device=dev)
+    scores_in = torch.empty(2, 4, 3, 512, device=dev)
     keys = torch.empty(1, 4, 900, 2, dtype=torch.int32, device=dev)
 
     def fill():

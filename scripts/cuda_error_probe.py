@@ -1,0 +1,17 @@
+"""Checks that bad arguments to the CUDA kernels raise Python errors (run in a subprocess per case)."""
+
+import subprocess
+import sys
+
+CASES = {
+    "pack_signs bits": "ha.pack_signs(torch.randn(3, 500, device='cuda'))",
+    "hamming_scores W": "ha.hamming_scores(torch.zeros(1,2,1,1,dtype=torch.int32,device='cuda'), "
+    "torch.zeros(1,2,5,2,dtype=torch.int32,device='cuda'), 2)",
+    "sparse_attention D": "ha.sparse_attention(torch.randn(1,2,1,96,device='cuda'), torch.randn(1,2,5,96,device='cuda'), "
+    "torch.randn(1,2,5,96,device='cuda'), torch.zeros(1,2,1,3,dtype=torch.int32,device='cuda'), scale=1.0)",
+    "cpu pack_signs bits": "ha.pack_signs(torch.randn(3, 500))",
+}
+for name, call in CASES.items():
+    code = f"import torch, hashattention as ha\ntry:\n    {call}\n    print('no error')\nexcept Exception as e:\n    print(type(e).__name__, str(e).splitlines()[0][:100])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    print(f"{name}: rc={result.returncode} {result.stdout.strip()} {result.stderr.strip().splitlines()[-1:] if result.returncode else ''}")
