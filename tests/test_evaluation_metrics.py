@@ -80,17 +80,18 @@ def test_ruler_string_match():
 
 def test_store_resumes_and_ignores_other_settings(tmp_path):
     path = str(tmp_path / "samples.jsonl")
-    store = ResultStore(path, "aaa")
-    key = record_key("nll", 2048, 0, "lsh-32", 16.0)
-    assert key == "nll//2048/0/lsh-32/16x"
+    store = ResultStore(path)
+    key = record_key("aaa", "nll", 2048, 0, "lsh-32", 16.0)
+    assert key == "aaa/nll//2048/0/lsh-32/16x"
     store.add(key, {"value": 1})
     with open(path, "a") as f:
         f.write('{"key": "cut sho')  # an interrupted write
-    again = ResultStore(path, "aaa")
-    assert key in again and len(list(again)) == 1
-    again.add(record_key("task", 2048, 0, "full", None, "vt"), {"value": 2})
-    assert len(list(ResultStore(path, "aaa"))) == 2  # the cut line did not swallow the next record
-    assert len(list(ResultStore(path, "bbb"))) == 0  # other settings: nothing reused
+    again = ResultStore(path)
+    assert key in again and again.get(key)["value"] == 1 and len(again.records) == 1
+    second = record_key("aaa", "task", 2048, 0, "full", None, "vt")
+    again.add(second, {"value": 2})
+    assert set(ResultStore(path).records) == {key, second}  # the cut line did not swallow the next record
+    assert record_key("bbb", "nll", 2048, 0, "lsh-32", 16.0) not in again  # other settings: not reused
 
 
 def test_markdown_table_rows():

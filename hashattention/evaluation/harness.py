@@ -85,10 +85,9 @@ class EvaluationConfig:
             raise ValueError(f"sparsities must be >= 1, got {list(self.sparsities)}")
 
     def result_settings(self) -> Dict[str, Any]:
-        """The settings that change per-sample results (the store's fingerprint)."""
+        """The settings that change per-sample results (with each selector's identity: the store's fingerprint)."""
         keys = ("nll_tokens", "sparse_prompt_tokens", "sink_tokens", "local_tokens", "top_k", "seed", "corpus",
-                "held_out_modulus", "calibration_tokens", "adapters_dir", "group_adapters_dir", "model_name",
-                "max_new_tokens")
+                "held_out_modulus", "calibration_tokens", "model_name", "max_new_tokens")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -131,7 +130,8 @@ class Evaluation:
     def __init__(self, model, tokenizer, config: EvaluationConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.shape = ModelShape.from_config(model.config)
-        self.store = ResultStore(f"{config.output_dir}/samples.jsonl", fingerprint(config.result_settings()))
+        self.store = ResultStore(f"{config.output_dir}/samples.jsonl")
+        self.fingerprints: Dict[str, str] = {}
         self.notes: List[str] = []
         self.selectors: Dict[str, Selector] = {}
         self.unavailable: Dict[str, str] = {}
@@ -185,6 +185,11 @@ class Evaluation:
                 log.warning("selector %s skipped: %s", name, error)
                 continue
             self.selectors[name] = selector
+            self.fingerprints[name] = fingerprint({**self.config.result_settings(), **selector.identity()})
+
+    def key(self, kind: str, context: int, index: int, name: str, sparsity: Optional[float], task: str = "") -> str:
+        """The store key of one per-sample result."""
+        return record_key(self.fingerprints[name], kind, context, index, name, sparsity, task)
 
     # ------------------------------------------------------------------ jobs
     def _jobs(self):
@@ -223,7 +228,7 @@ class Evaluation:
 
     def _run_nll(self, context: int, index: int, bar) -> None:
         cfg = self.config
-        jobs = [(n, s) for n, s in self._jobs() if record_key("nll", context, index, n, s) not in self.store]
+        jobs = [(n, s) for n, s in self._jobs() if self.key("nll", context, index, n, s) not in self.store]
         if not jobs:
             return
         ids = self._nll_sequence(context, index)
@@ -241,7 +246,7 @@ class Evaluation:
                 out = _forward(self.model, chunk, copy.deepcopy(cache), logits_to_keep=0)
             nll = metrics.token_nll(out.logits[0].float().cpu(), targets)
             layers = recorder.per_layer()
-            self.store.add(record_key("nll", context, index, name, sparsity), {
+            self.store.add(self.key("nll", context, index, name, sparsity), {
                 "kind": "nll", "context": context, "sample": index, "selector": name, "sparsity": sparsity,
                 "nll_sum": float(nll.sum()), "tokens": int(nll.numel()),
                 "recall_per_layer": layers["recall"], "mass_per_layer": layers["mass"],
@@ -251,7 +256,7 @@ class Evaluation:
 
     def _run_task(self, task: str, context: int, index: int, bar) -> None:
         cfg = self.config
-        jobs = [(n, s) for n, s in self._jobs() if record_key("task", context, index, n, s, task) not in self.store]
+        jobs = [(n, s) for n, s in self._jobs() if self.key("task", context, index, n, s, task) not in self.store]
         if not jobs:
             return
         sample = tasks.build_sample(task, index, context, cfg.seed, self.tokenizer, self.sentences, self.words)
@@ -278,7 +283,7 @@ class Evaluation:
                         break
                     logits = _forward(self.model, [token], step_cache).logits
             output = self.tokenizer.decode(generated, skip_special_tokens=True)
-            self.store.add(record_key("task", context, index, name, sparsity, task), {
+            self.store.add(self.key("task", context, index, name, sparsity, task), {
                 "kind": "task", "task": task, "context": context, "sample": index, "selector": name,
                 "sparsity": sparsity, "prompt_tokens": len(ids), "output": output, "references": sample.references,
                 "score": metrics.string_match_all(output, sample.references),

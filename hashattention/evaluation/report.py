@@ -36,19 +36,22 @@ def aggregate(evaluation) -> Dict[str, Any]:
     levels = {name: ([None] if selector.dense else [float(s) for s in cfg.sparsities])
               for name, selector in evaluation.selectors.items()}
     rows = []
+    dense_names = [name for name, selector in evaluation.selectors.items() if selector.dense]
     for context in cfg.contexts:
         dense_nll = {}
-        for record in evaluation.store:
-            if record["kind"] == "nll" and record["context"] == context and evaluation.selectors.get(record["selector"]) \
-                    is not None and evaluation.selectors[record["selector"]].dense:
-                dense_nll[record["sample"]] = record["nll_sum"] / record["tokens"]
+        for name in dense_names[:1]:
+            for index in range(cfg.nll_samples):
+                record = evaluation.store.get(evaluation.key("nll", context, index, name, None))
+                if record is not None:
+                    dense_nll[index] = record["nll_sum"] / record["tokens"]
         for name, sparsities in levels.items():
             for sparsity in sparsities:
-                nll_records = [r for r in evaluation.store if r["kind"] == "nll" and r["context"] == context
-                               and r["selector"] == name and r["sparsity"] == sparsity and r["sample"] < cfg.nll_samples]
-                task_records = [r for r in evaluation.store if r["kind"] == "task" and r["context"] == context
-                                and r["selector"] == name and r["sparsity"] == sparsity
-                                and r["sample"] < cfg.task_samples and r["task"] in cfg.tasks]
+                nll_records = [evaluation.store.get(evaluation.key("nll", context, index, name, sparsity))
+                               for index in range(cfg.nll_samples)]
+                nll_records = [r for r in nll_records if r is not None]
+                task_records = [evaluation.store.get(evaluation.key("task", context, index, name, sparsity, task))
+                                for task in cfg.tasks for index in range(cfg.task_samples)]
+                task_records = [r for r in task_records if r is not None]
                 recall_layers = _layer_mean([r["recall_per_layer"] for r in nll_records])
                 mass_layers = _layer_mean([r["mass_per_layer"] for r in nll_records])
                 nll = _mean([r["nll_sum"] / r["tokens"] for r in nll_records])

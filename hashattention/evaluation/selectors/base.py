@@ -156,6 +156,11 @@ class Selector:
     def load_state(self, state: Dict[Any, Any]) -> None:
         self.state = copy.deepcopy(state)
 
+    def identity(self) -> Dict[str, Any]:
+        """What makes this selector's results what they are, beyond the evaluation settings
+        (part of the result cache's key: change it and cached results are recomputed)."""
+        return {"selector": getattr(self, "registered_name", self.name), "class": type(self).__qualname__}
+
     def aux_bits_per_token(self, shape: ModelShape) -> Optional[float]:
         """Auxiliary memory per cached token per layer (all heads), in bits; None if not applicable."""
         return 0.0

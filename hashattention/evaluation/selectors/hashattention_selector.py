@@ -9,10 +9,13 @@ adapters. Key signatures are encoded once per key, when the key first appears.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
+import torch
+
 from ... import ops
-from ...adapters import CONFIG_NAME, HashAdapters
+from ...adapters import CONFIG_NAME, WEIGHTS_NAME, HashAdapters
 from .base import Selector, SelectorUnavailable
 from .signature_cache import cached_key_signatures
 
@@ -35,7 +38,7 @@ class HashAttentionSelector(Selector):
             directory = setup.group_adapters_dir
         if not directory or not os.path.isfile(os.path.join(directory, CONFIG_NAME)):
             raise SelectorUnavailable(f"no trained adapters found at {directory!r}")
-        adapters = HashAdapters.from_pretrained(directory).eval()
+        adapters = HashAdapters.from_pretrained(directory, dtype=torch.float32).eval()
         config = adapters.config
         expected = (setup.shape.num_layers, setup.shape.num_query_heads, setup.shape.num_kv_heads, setup.shape.head_dim)
         found = (config.num_layers, config.num_query_heads, config.num_kv_heads, config.head_dim)
@@ -44,6 +47,11 @@ class HashAttentionSelector(Selector):
                 f"adapters at {directory} are for (layers, q heads, kv heads, head_dim) = {found}, model has {expected}"
             )
         self.adapters = adapters
+        with open(os.path.join(directory, WEIGHTS_NAME), "rb") as f:
+            self.weights_sha256 = hashlib.sha256(f.read()).hexdigest()
+
+    def identity(self):
+        return {**super().identity(), "adapters_sha256": getattr(self, "weights_sha256", None)}
 
     def aux_bits_per_token(self, shape):
         if self.adapters is None:
