@@ -7,7 +7,7 @@ import torch
 
 from hashattention.adapters import AdapterConfig, LayerAdapter
 from train.config import TrainConfig
-from train.validate import layer_recall, lsh_projections, recall, row_budgets, selection_mask
+from train.validate import layer_recall, lsh_projections, recall, row_budgets, selection_mask, true_top_k
 
 
 def _popcount_similarity(a: int, b: int, bits: int) -> int:
@@ -32,19 +32,24 @@ def test_row_budgets_count_windows_in_the_total():
 def test_selection_mask_ignores_padding():
     indices = torch.tensor([[[[0, 3, -1]], [[1, -1, -1]]]], dtype=torch.int32)  # (Q=1, Hs=2, 1, K=3)
     mask = selection_mask(indices, 5)
-    assert mask.shape == (2, 1, 5)
+    assert mask.shape == (1, 2, 5)
     assert mask[0, 0].tolist() == [True, False, False, True, False]
-    assert mask[1, 0].tolist() == [False, True, False, False, False]
+    assert mask[0, 1].tolist() == [False, True, False, False, False]
 
 
 def test_recall_counts_hits_over_truth():
-    truth = torch.zeros(2, 1, 6, dtype=torch.bool)
-    truth[0, 0, [1, 2, 3, 4]] = True
-    truth[1, 0, [0, 5]] = True
-    selected = torch.zeros_like(truth)
+    scores = torch.tensor([[[0.0, 5.0, 4.0, 3.0, 2.0, 9.0]], [[7.0, 0.0, 0.0, 0.0, 0.0, 6.0]]])  # (H=2, Q=1, N=6)
+    eligible = torch.tensor([[True, True, True, True, True, False]])
+    indices, valid = true_top_k(scores, eligible, 4)
+    assert sorted(indices[0, 0].tolist()) == [1, 2, 3, 4] and valid.all()
+    selected = torch.zeros(1, 2, 6, dtype=torch.bool)  # (Q, H, N)
     selected[0, 0, [1, 4, 5]] = True
-    selected[1, 0, [5]] = True
-    assert recall(truth, selected).tolist() == [0.5, 0.5]
+    selected[0, 1, [0, 5]] = True
+    assert recall(indices, valid, selected).tolist() == [0.5, 0.25]
+    few = torch.tensor([[False, True, True, False, False, False]])  # only 2 eligible keys: 2 valid entries
+    indices, valid = true_top_k(scores, few, 4)
+    assert valid.sum(-1).tolist() == [[2, 2]]
+    assert recall(indices, valid, selected).tolist() == [0.5, 0.0]
 
 
 @pytest.mark.parametrize("key_heads", ["query", "kv"])

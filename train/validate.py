@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ from .collect import shard_paths
 from .config import TrainConfig
 from .distributed import DistributedContext
 from .fit import load_layer_samples
-from .labels import causal_keys, eligible_keys, target_scores, top_k_labels
+from .labels import causal_keys, eligible_keys, target_scores
 
 log = logging.getLogger(__name__)
 METHODS = ("learned", "lsh", "oracle")
@@ -45,18 +45,32 @@ def row_budgets(positions: Tensor, sparsity: int, sink_tokens: int, local_tokens
 
 
 def selection_mask(indices: Tensor, num_keys: int) -> Tensor:
-    """bool ``(Hs, Q, N)`` from per-row op output ``indices`` int32 ``(Q, Hs, 1, K)`` (-1 = padding)."""
+    """bool ``(Q, Hs, N)`` from per-row op output ``indices`` int32 ``(Q, Hs, 1, K)`` (-1 = padding)."""
     rows, heads = indices.shape[0], indices.shape[1]
     flat = indices[:, :, 0, :].long()
     flat = torch.where(flat < 0, torch.full_like(flat, num_keys), flat)  # padding -> a spill column
     mask = torch.zeros(rows, heads, num_keys + 1, dtype=torch.bool).scatter_(-1, flat, True)
-    return mask[:, :, :num_keys].transpose(0, 1)
+    return mask[:, :, :num_keys]
 
 
-def recall(truth: Tensor, selected: Tensor) -> Tensor:
-    """fp64 ``(H,)``: per head, the share of true cells that are selected (``truth``, ``selected`` bool ``(H, Q, N)``)."""
-    hits = (truth & selected).flatten(1).sum(-1).double()
-    return hits / truth.flatten(1).sum(-1).clamp_min(1).double()
+def true_top_k(scores: Tensor, eligible: Tensor, top_k: int) -> Tuple[Tensor, Tensor]:
+    """The true top-k as ``(indices, valid)``, both ``(Q, H, k)``: key positions (int64) and whether the
+    entry is a real eligible key (rows with fewer than ``k`` eligible keys get invalid fillers).
+
+    Args: ``scores`` fp32 ``(H, Q, N)``; ``eligible`` bool ``(Q, N)``.
+    """
+    masked = scores.masked_fill(~eligible[None], float("-inf")).transpose(0, 1)
+    values, indices = masked.topk(min(top_k, scores.shape[-1]), dim=-1)
+    return indices, values > float("-inf")
+
+
+def recall(truth_indices: Tensor, truth_valid: Tensor, selected: Tensor) -> Tensor:
+    """fp64 ``(H,)``: per head, the share of true top-k keys that are selected.
+
+    Args: ``truth_indices``/``truth_valid`` ``(Q, H, k)`` from :func:`true_top_k`; ``selected`` bool ``(Q, H, N)``.
+    """
+    hits = (selected.gather(-1, truth_indices) & truth_valid).sum(dim=(0, 2)).double()
+    return hits / truth_valid.sum(dim=(0, 2)).clamp_min(1).double()
 
 
 def _per_row(signatures: Tensor) -> Tensor:
@@ -71,25 +85,22 @@ def lsh_projections(config: TrainConfig, layer: int, heads: int, head_dim: int) 
     return torch.randn(heads, head_dim, config.bits, generator=generator)
 
 
-def select_by_signatures(query_sigs: Tensor, key_sigs: Tensor, positions: Tensor, budgets: Tensor,
+def select_by_signatures(query_rows: Tensor, key_rows: Tensor, positions: Tensor, budgets: Tensor,
                          selection_heads: int, config: TrainConfig) -> Tensor:
-    """Selection bool ``(Hs, Q, N)`` from signatures ``(1, Hq, Q, W)`` / ``(1, Hk, N, W)``."""
-    rows = positions.shape[0]
-    keys = key_sigs.expand(rows, -1, -1, -1).contiguous()
+    """Selection bool ``(Q, Hs, N)`` from per-row signatures ``(Q, Hq, 1, W)`` / ``(Q, Hk, N, W)``."""
     indices, _ = ops.hamming_topk(
-        _per_row(query_sigs), keys, selection_heads=selection_heads, sink_tokens=config.sink_tokens,
+        query_rows, key_rows, selection_heads=selection_heads, sink_tokens=config.sink_tokens,
         local_tokens=config.local_tokens, budget_tokens=max(int(budgets.max()), 0),
         lengths=(positions + 1).to(torch.int32), budgets=budgets)
-    return selection_mask(indices, key_sigs.shape[2])
+    return selection_mask(indices, key_rows.shape[2])
 
 
-def select_by_scores(scores: Tensor, positions: Tensor, budgets: Tensor, config: TrainConfig) -> Tensor:
-    """Selection bool ``(Hs, Q, N)`` from exact scores ``(Hs, Q, N)``."""
-    per_row = scores.transpose(0, 1)[:, :, None, :].contiguous()
+def select_by_scores(score_rows: Tensor, positions: Tensor, budgets: Tensor, config: TrainConfig) -> Tensor:
+    """Selection bool ``(Q, Hs, N)`` from per-row exact scores ``(Q, Hs, 1, N)``."""
     indices, _ = ops.topk_from_scores(
-        per_row, sink_tokens=config.sink_tokens, local_tokens=config.local_tokens,
+        score_rows, sink_tokens=config.sink_tokens, local_tokens=config.local_tokens,
         budget_tokens=max(int(budgets.max()), 0), lengths=(positions + 1).to(torch.int32), budgets=budgets)
-    return selection_mask(indices, scores.shape[-1])
+    return selection_mask(indices, score_rows.shape[-1])
 
 
 def layer_recall(config: TrainConfig, layer_adapter: LayerAdapter, samples: List[Dict[str, Tensor]],
@@ -106,7 +117,7 @@ def layer_recall(config: TrainConfig, layer_adapter: LayerAdapter, samples: List
         selection_heads = kv_heads if shared else heads
         scores = target_scores(queries, keys)
         eligible = eligible_keys(positions, num_keys, config.sink_tokens, config.local_tokens)
-        truth = top_k_labels(scores, eligible, config.top_k)
+        truth_indices, truth_valid = true_top_k(scores, eligible, config.top_k)
         # Oracle scores: each head's own q·k, or the group's summed attention probability when shared.
         if shared:
             causal = causal_keys(positions, num_keys)
@@ -114,6 +125,7 @@ def layer_recall(config: TrainConfig, layer_adapter: LayerAdapter, samples: List
             oracle_scores = probabilities.unflatten(0, (kv_heads, group)).sum(1)
         else:
             oracle_scores = scores
+        oracle_rows = oracle_scores.transpose(0, 1)[:, :, None, :].contiguous()
         projections = lsh_projections(config, layer, kv_heads if shared else heads, head_dim)
         zeros = [torch.zeros(projections.shape[0], config.bits)]
         key_source = keys[None] if shared else keys[None].repeat_interleave(group, dim=1)
@@ -126,23 +138,25 @@ def layer_recall(config: TrainConfig, layer_adapter: LayerAdapter, samples: List
             ops.encode_signatures(queries[None], [query_projections], [torch.zeros(heads, config.bits)]),
             ops.encode_signatures(key_source, [projections], zeros),
         )
+        rows = positions.shape[0]
+        # Each query row becomes its own batch entry (own length p + 1, own budget); built once per sample.
+        signature_rows = {name: (_per_row(q), k.expand(rows, -1, -1, -1).contiguous())
+                          for name, (q, k) in signatures.items()}
         for sparsity in config.sparsities:
             budgets = row_budgets(positions, sparsity, config.sink_tokens, config.local_tokens)
             selections = {name: select_by_signatures(q, k, positions, budgets, selection_heads, config)
-                          for name, (q, k) in signatures.items()}
-            selections["oracle"] = select_by_scores(oracle_scores, positions, budgets, config)
+                          for name, (q, k) in signature_rows.items()}
+            selections["oracle"] = select_by_scores(oracle_rows, positions, budgets, config)
             for name, selected in selections.items():
                 if shared:
-                    selected = selected.repeat_interleave(group, dim=0)
-                hits.setdefault(name, {}).setdefault(sparsity, []).append(recall(truth, selected))
+                    selected = selected.repeat_interleave(group, dim=1)
+                hits.setdefault(name, {}).setdefault(sparsity, []).append(recall(truth_indices, truth_valid, selected))
     return {name: {f"{s}x": float(torch.stack(v).mean()) for s, v in per_s.items()} for name, per_s in hits.items()}
 
 
 def validate(config: TrainConfig, context: DistributedContext, adapters_dir: Optional[str] = None) -> Optional[Dict]:
     """Validate this rank's layers; rank 0 writes ``<work_dir>/validation/{recall.json,table.md,*.png}``,
     records the summary in the adapters' ``config.validation`` and returns the report."""
-    from safetensors.torch import load_file
-
     adapters_dir = adapters_dir or config.adapters_dir
     adapters = HashAdapters.from_pretrained(adapters_dir, dtype=torch.float32)
     layers = list(config.layers) if config.layers is not None else list(range(adapters.config.num_layers))
@@ -152,13 +166,7 @@ def validate(config: TrainConfig, context: DistributedContext, adapters_dir: Opt
     results = {}
     for layer in context.my_share(layers):
         samples = load_layer_samples(paths, layer)
-        extra = {}
-        fp32_path = os.path.join(config.work_dir, "layers", f"layer{layer:03d}.safetensors")
-        if os.path.exists(fp32_path) and adapters_dir == config.adapters_dir:
-            master = LayerAdapter(adapters.config)
-            master.load_state_dict(load_file(fp32_path))
-            extra["learned_fp32"] = master
-        results[layer] = layer_recall(config, adapters[layer], samples, layer, extra)
+        results[layer] = layer_recall(config, adapters[layer], samples, layer)
         log.info("validate: layer %d %s", layer, json.dumps(results[layer]))
     gathered = {}
     for part in context.gather_objects(results):
