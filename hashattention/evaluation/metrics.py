@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .selectors.base import repeat_kv_heads
+from .selectors.base import grouped_logits, repeat_kv_heads
 
 
 def selection_mask(indices: Tensor, counts: Tensor, keys: int, query_heads: int) -> Tensor:
@@ -38,8 +38,7 @@ def true_logits(query: Tensor, key: Tensor, scaling: float) -> Tensor:
     """float32 causal ``q . k * scaling`` ``(B, Hq, P, N)`` for the last ``P`` positions (future = -inf)."""
     keys = key.shape[2]
     rows = query.shape[2]
-    key_rep = repeat_kv_heads(key, query.shape[1] // key.shape[1]).float()
-    logits = torch.matmul(query.float(), key_rep.transpose(-1, -2)) * scaling
+    logits = grouped_logits(query, key, scaling)
     positions = torch.arange(keys, device=query.device)
     row_positions = keys - rows + torch.arange(rows, device=query.device)
     return logits.masked_fill(positions[None, :] > row_positions[:, None], float("-inf"))

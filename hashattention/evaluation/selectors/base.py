@@ -196,6 +196,19 @@ def repeat_kv_heads(x: Tensor, group_size: int) -> Tensor:
     return x if group_size == 1 else x.repeat_interleave(group_size, dim=1)
 
 
+def grouped_logits(query: Tensor, key: Tensor, scaling: float) -> Tensor:
+    """float32 ``q . k * scaling`` ``(B, Hq, P, N)`` of each query head against its KV head's keys.
+
+    Query heads ``g * G .. g * G + G - 1`` share KV head ``g``: one batched product per KV head,
+    without materialising the keys repeated for every query head.
+    """
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.float().reshape(batch, kv_heads, (heads // kv_heads) * rows, dim)
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling
+    return logits.view(batch, heads, rows, key.shape[2])
+
+
 def sum_over_groups(scores: Tensor, selection_heads: int) -> Tensor:
     """``(B, Hq, P, N)`` -> ``(B, Hs, P, N)``: group-shared scores are the sum over the group's query heads."""
     batch, heads, rows, keys = scores.shape

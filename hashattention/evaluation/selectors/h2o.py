@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Selector, repeat_kv_heads
+from .base import Selector, grouped_logits, repeat_kv_heads
 
 _ROW_CHUNK = 256  # dense prefill rows per softmax block (bounds the (B, Hq, rows, N) temporary)
 
@@ -39,12 +39,11 @@ class HeavyHitterOracle(Selector):
         batch, heads, rows, _ = query.shape
         keys = key.shape[2]
         acc = self._accumulator(layer, batch, heads, keys, query.device)
-        key_rep = repeat_kv_heads(key, heads // key.shape[1]).float()
         positions = torch.arange(keys, device=query.device)
         for first in range(0, rows, _ROW_CHUNK):
-            block = query[:, :, first : first + _ROW_CHUNK].float()
+            block = query[:, :, first : first + _ROW_CHUNK]
             row_positions = keys - rows + first + torch.arange(block.shape[2], device=query.device)
-            logits = torch.matmul(block, key_rep.transpose(-1, -2)) * scaling
+            logits = grouped_logits(block, key, scaling)
             logits = logits.masked_fill(positions[None, :] > row_positions[:, None], float("-inf"))
             acc += torch.softmax(logits, dim=-1).sum(dim=2)
 
@@ -57,12 +56,10 @@ class HeavyHitterOracle(Selector):
         batch, heads, rows, _ = query.shape
         keys = key.shape[2]
         acc = self._accumulator(layer, batch, heads, keys, query.device)
-        key_rep = repeat_kv_heads(key, heads // key.shape[1]).float()
-        logits = torch.matmul(query.float(), key_rep.transpose(-1, -2)) * scaling  # (B, Hq, P, N)
-        probs = torch.exp(logits - lse[..., None])
-        selected = torch.zeros(batch, indices.shape[1], rows, keys + 1, dtype=torch.bool, device=query.device)
+        # Probabilities of the selected keys only: gather them, exp(logit - lse), scatter-add.
         slots = torch.arange(indices.shape[-1], device=query.device)
-        valid = slots < counts[..., None]
-        selected.scatter_(-1, torch.where(valid, indices, keys).long(), True)
-        selected = repeat_kv_heads(selected[..., :keys], heads // indices.shape[1])
-        acc += (probs * selected).sum(dim=2)
+        valid = repeat_kv_heads(slots < counts[..., None], heads // indices.shape[1])  # (B, Hq, P, K)
+        positions = repeat_kv_heads(indices, heads // indices.shape[1]).long().clamp(min=0)
+        logits = grouped_logits(query, key, scaling).gather(-1, positions)
+        probs = torch.exp(logits - lse[..., None]) * valid
+        acc.scatter_add_(-1, positions.flatten(2), probs.flatten(2))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from .base import Selector, repeat_kv_heads
+from .base import Selector, grouped_logits
 
 
 class ExactTopK(Selector):
@@ -14,5 +12,4 @@ class ExactTopK(Selector):
         return None  # reads every key in full: not a compressed index
 
     def scores(self, layer, query, key, scaling):
-        keys = repeat_kv_heads(key, query.shape[1] // key.shape[1])
-        return torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scaling
+        return grouped_logits(query, key, scaling)
