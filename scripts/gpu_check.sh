@@ -42,9 +42,9 @@ python3 scripts/cuda_error_probe.py 2>&1 | tee "$OUT/error_probe.log"
 step "pytest (CUDA)"
 # xdist (on the GPU image) keeps going if a test crashes its worker.
 XDIST=""
-python3 -c "import xdist" 2> /dev/null && XDIST="-n 8"
+python3 -c "import xdist" 2> /dev/null && XDIST="-n 14"
 # shellcheck disable=SC2086
-timeout 330 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=60 $XDIST \
+timeout 270 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=60 $XDIST \
   --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
 tail -25 "$OUT/pytest.log"
 

@@ -82,9 +82,12 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = tile + k * kThreads + threadIdx.x;
       score[k] = i < size ? src.score(first + i) : -1;
     }
+    // Scores cluster on a few values, so plain shared atomics from a warp would serialise on
+    // the same addresses: lanes holding equal scores elect one of them to add their count.
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
-      if (score[k] >= 0) atomicAdd(&histogram[score[k]], 1);
+      const unsigned peers = __match_any_sync(0xffffffffu, score[k]);
+      if (score[k] >= 0 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&histogram[score[k]], __popc(peers));
     }
   }
   __syncthreads();

@@ -92,13 +92,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   p.vector_loads = aligned_16(key_cache, element_size, {p.k_s0, p.k_s1, p.k_s2}) &&
                    aligned_16(value_cache, element_size, {p.v_s0, p.v_s1, p.v_s2});
 
-  // Splits from shapes only: about 4 blocks per multiprocessor, at least 32 list entries each.
+  // Splits from shapes only: about 4 blocks per multiprocessor, each split at least one
+  // 32-entry tile per warp, at most kMaxSplits (the in-kernel merge's shared-memory table).
   const int64_t units = dims.batch * dims.rows * p.units_per_row;
   const int64_t target_blocks = 4 * int64_t(multiprocessor_count());
   int64_t splits = std::max<int64_t>(1, ceil_div(target_blocks, units));
-  splits = std::min(splits, std::max<int64_t>(1, ceil_div(dims.width, 32)));
-  splits = std::min<int64_t>(splits, 65535);
-  const int64_t rows_per_split = std::max<int64_t>(1, ceil_div(dims.width, splits));
+  splits = std::min(splits, std::max<int64_t>(1, ceil_div(dims.width, kMinRowsPerSplit)));
+  int64_t rows_per_split = std::max<int64_t>(1, ceil_div(dims.width, splits));
+  rows_per_split = std::max(rows_per_split, ceil_div(dims.width, kMaxSplits));
   splits = std::max<int64_t>(1, ceil_div(dims.width, rows_per_split));
   p.splits = static_cast<int>(splits);
   p.rows_per_split = static_cast<int>(rows_per_split);
@@ -106,9 +107,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
 
   at::Tensor partial, counters;
   if (splits > 1) {
-    partial = at::empty({units * splits * max_heads * (dims.head_dim + 2)}, query.options().dtype(at::kFloat));
+    const int64_t states = units * splits * max_heads;
+    partial = at::empty({states * (dims.head_dim + 2)}, query.options().dtype(at::kFloat));
     counters = at::zeros({units}, query.options().dtype(at::kInt));
-    p.partial = partial.data_ptr<float>();
+    p.partial_acc = partial.data_ptr<float>();
+    p.partial_max_sum = p.partial_acc + states * dims.head_dim;
     p.counters = counters.data_ptr<int>();
   }
 

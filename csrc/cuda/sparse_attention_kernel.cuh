@@ -28,6 +28,10 @@ namespace cuda {
 
 constexpr int kAttentionThreads = 128;
 constexpr int kAttentionWarps = kAttentionThreads / 32;
+// Splits of one list: the merge keeps one weight per (split, head) in the warp-state buffer,
+// which holds kAttentionWarps * (D + 2) floats per head, at least 4 * 66 = 264.
+constexpr int kMaxSplits = 256;
+constexpr int kMinRowsPerSplit = 128;  // at least one 32-entry tile per warp
 
 struct AttentionParams {
   const void* query;
@@ -53,8 +57,9 @@ struct AttentionParams {
   int units_per_row;  // (query_heads / unit_heads) * subunits
   int splits, rows_per_split;
   int vector_loads;  // 1 when every K/V row start is 16-byte aligned
-  float* partial;    // (units, splits, kMaxHeads, D + 2): acc..., max, sum
-  int* counters;     // (units,), zero on entry
+  float* partial_acc;      // (units, splits, kMaxHeads, D): unnormalised outputs of each split
+  float* partial_max_sum;  // (units, splits, kMaxHeads, 2): running max (base 2) and sum
+  int* counters;           // (units,), zero on entry
 };
 
 template <typename T>
@@ -303,7 +308,7 @@ __global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(con
 
   // Merge the warps; write the result (one split) or this split's partial state.
   T* out = static_cast<T*>(p.out);
-  float* partial = p.partial + (unit * p.splits + split) * kMaxHeads * (D + 2);
+  const int64_t unit_split = unit * p.splits + split;
   for (int i = threadIdx.x; i < heads * (D + 1); i += kAttentionThreads) {
     const int h = i / (D + 1), d = i % (D + 1);  // d == D: the (max, sum) pair
     float block_max = -INFINITY;
@@ -324,41 +329,67 @@ __global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(con
         p.lse[out_row] = sum > 0.0f ? (block_max + log2f(sum)) * 0.69314718055994531f : -INFINITY;
       }
     } else if (d < D) {
-      partial[h * (D + 2) + d] = total;
+      p.partial_acc[(unit_split * kMaxHeads + h) * D + d] = total;
     } else {
-      partial[h * (D + 2) + D] = block_max;
-      partial[h * (D + 2) + D + 1] = sum;
+      p.partial_max_sum[(unit_split * kMaxHeads + h) * 2] = block_max;
+      p.partial_max_sum[(unit_split * kMaxHeads + h) * 2 + 1] = sum;
     }
   }
   if (p.splits == 1) return;
 
-  // The last split of the unit to finish merges all partial states.
+  // The last split of the unit to finish merges all partial states: first the weight of each
+  // (split, head) in shared memory, then each thread sums 4 columns over the splits with
+  // independent 16-byte loads (a serial chain of loads here would dominate the kernel).
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last_block = atomicAdd(&p.counters[unit], 1) == p.splits - 1;
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
-  const float* unit_partial = p.partial + unit * p.splits * kMaxHeads * (D + 2);
-  for (int i = threadIdx.x; i < heads * (D + 1); i += kAttentionThreads) {
-    const int h = i / (D + 1), d = i % (D + 1);
-    float global_max = -INFINITY;
-    for (int sp = 0; sp < p.splits; ++sp) {
-      global_max = fmaxf(global_max, __ldcg(unit_partial + (sp * kMaxHeads + h) * (D + 2) + D));
+  float* split_weight = &warp_state[0][0][0];  // reused: (splits, kMaxHeads), splits <= kMaxSplits
+  __shared__ float head_max[kMaxHeads], head_sum[kMaxHeads];
+  const float* unit_max_sum = p.partial_max_sum + unit * p.splits * kMaxHeads * 2;
+  for (int h = warp; h < heads; h += kAttentionWarps) {
+    float m = -INFINITY;
+    for (int sp = lane; sp < p.splits; sp += 32) m = fmaxf(m, __ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2));
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    float sum = 0.0f;
+    for (int sp = lane; sp < p.splits; sp += 32) {
+      const float weight = m == -INFINITY ? 0.0f : safe_exp2_diff(__ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2), m);
+      split_weight[sp * kMaxHeads + h] = weight;
+      sum += __ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2 + 1) * weight;
     }
-    float total = 0.0f, sum = 0.0f;
-    for (int sp = 0; sp < p.splits; ++sp) {
-      const float* state = unit_partial + (sp * kMaxHeads + h) * (D + 2);
-      const float weight = global_max == -INFINITY ? 0.0f : safe_exp2_diff(__ldcg(state + D), global_max);
-      sum += __ldcg(state + D + 1) * weight;
-      if (d < D) total += __ldcg(state + d) * weight;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) {
+      head_max[h] = m;
+      head_sum[h] = sum;
     }
+  }
+  __syncthreads();
+  const float4* unit_acc = reinterpret_cast<const float4*>(p.partial_acc + unit * p.splits * kMaxHeads * D);
+  for (int i = threadIdx.x; i < heads * (D / 4); i += kAttentionThreads) {
+    const int h = i / (D / 4), d4 = i % (D / 4);
+    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int sp = 0; sp < p.splits; ++sp) {
+      const float4 a = __ldcg(unit_acc + (sp * kMaxHeads + h) * (D / 4) + d4);
+      const float weight = split_weight[sp * kMaxHeads + h];
+      total.x = fmaf(a.x, weight, total.x);
+      total.y = fmaf(a.y, weight, total.y);
+      total.z = fmaf(a.z, weight, total.z);
+      total.w = fmaf(a.w, weight, total.w);
+    }
+    const float sum = head_sum[h];
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     const int64_t out_row = (b * p.query_heads + first_head + h) * p.rows + l;
-    if (d < D) {
-      out[out_row * D + d] = static_cast<T>(sum > 0.0f ? total / sum : 0.0f);
-    } else {
-      p.lse[out_row] = sum > 0.0f ? (global_max + log2f(sum)) * 0.69314718055994531f : -INFINITY;
-    }
+    T* o = out + out_row * D + d4 * 4;
+    o[0] = static_cast<T>(total.x * inv);
+    o[1] = static_cast<T>(total.y * inv);
+    o[2] = static_cast<T>(total.z * inv);
+    o[3] = static_cast<T>(total.w * inv);
+    if (d4 == 0) p.lse[out_row] = sum > 0.0f ? (head_max[h] + log2f(sum)) * 0.69314718055994531f : -INFINITY;
   }
 }
 
