@@ -202,11 +202,12 @@ class Evaluation:
                 jobs.extend((name, float(s)) for s in self.config.sparsities)
         return jobs
 
-    def _prefill(self, prefix_ids: List[int]):
+    def _prefill(self, prefix_ids: List[int], jobs):
         """Dense prefill shared by the jobs of one sample: ``(cache, per-selector states)``."""
         for selector in self.selectors.values():
             selector.start_sequence()
-        observers = _DenseObservers([s for s in self.selectors.values() if _observes_dense(s)])
+        pending = {name for name, _ in jobs}  # selectors whose results are all cached need no statistics
+        observers = _DenseObservers([s for n, s in self.selectors.items() if n in pending and _observes_dense(s)])
         cache = DynamicCache(config=self.model.config)
         with activate(SparseRun(selector=observers)):
             _forward(self.model, prefix_ids, cache)
@@ -234,7 +235,7 @@ class Evaluation:
         ids = self._nll_sequence(context, index)
         tokens = min(cfg.nll_tokens, context - 2)
         sparse_from = context - 1 - tokens
-        cache, states = self._prefill(ids[:sparse_from])
+        cache, states = self._prefill(ids[:sparse_from], jobs)
         chunk, targets = ids[sparse_from : context - 1], torch.tensor(ids[sparse_from + 1 :])
         for name, sparsity in jobs:
             selector = self.selectors[name]
@@ -262,7 +263,7 @@ class Evaluation:
         sample = tasks.build_sample(task, index, context, cfg.seed, self.tokenizer, self.sentences, self.words)
         ids = sample.input_ids
         sparse_from = max(len(ids) - cfg.sparse_prompt_tokens, 1)
-        cache, states = self._prefill(ids[:sparse_from])
+        cache, states = self._prefill(ids[:sparse_from], jobs)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         for name, sparsity in jobs:
             selector = self.selectors[name]

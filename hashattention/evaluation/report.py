@@ -78,7 +78,8 @@ def aggregate(evaluation) -> Dict[str, Any]:
                     "task_samples": len(task_records),
                 })
     selectors = {
-        name: {"aux_bits_per_token": selector.aux_bits_per_token(evaluation.shape), "available": True}
+        name: {"aux_bits_per_token": selector.aux_bits_per_token(evaluation.shape), "available": True,
+               "identity": selector.identity()}
         for name, selector in evaluation.selectors.items()
     }
     for name, reason in evaluation.unavailable.items():
