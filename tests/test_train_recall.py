@@ -81,7 +81,7 @@ def test_layer_recall_matches_brute_force(key_heads):
                 key_head = h // group
                 sig_head = key_head if key_heads == "kv" else h
                 for r, p in enumerate(positions.tolist()):
-                    q, dots = sample["queries"][h, r], sample["keys"][key_head] @ sample["queries"][h, r] / math.sqrt(dim)
+                    dots = sample["keys"][key_head] @ sample["queries"][h, r] / math.sqrt(dim)
                     eligible = [j for j in range(3, p - 4 + 1)]
                     truth = set(sorted(eligible, key=lambda j: -float(dots[j]))[:5])
                     heavy = max(0, (p + 1) // sparsity - 7)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Dict, List, Optional, Tuple
 
