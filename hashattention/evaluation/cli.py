@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="adapters for the group-shared selector (default: --adapters)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--report-only", action="store_true",
+                        help="compute nothing: write the tables and plots from the per-sample cache as it is")
     return parser
 
 
@@ -131,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,
     )
-    results = Evaluation(model, tokenizer, config).run()
+    results = Evaluation(model, tokenizer, config).run(compute=not args.report_only)
     paths = write_report(results, args.output_dir)
     print(markdown(results))
     print("wrote " + ", ".join(sorted(paths.values())))

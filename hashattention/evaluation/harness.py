@@ -292,15 +292,22 @@ class Evaluation:
             })
             bar.update(1)
 
-    def run(self) -> Dict[str, Any]:
-        """Run every missing job (cached ones are skipped) and return the aggregated results."""
+    def run(self, compute: bool = True) -> Dict[str, Any]:
+        """Run every missing job (cached ones are skipped) and return the aggregated results.
+
+        ``compute=False`` only aggregates what the cache already holds (missing cells stay empty).
+        """
         from tqdm.auto import tqdm
+
+        from .report import aggregate
 
         torch.manual_seed(self.config.seed)
         cfg = self.config
         with attention_hook.evaluation_attention(self.model):
             if not self.selectors:
                 self.prepare_selectors()
+            if not compute:
+                return aggregate(self)
             per_sample = len(self._jobs())
             total = per_sample * len(cfg.contexts) * (cfg.nll_samples + cfg.task_samples * len(cfg.tasks))
             with tqdm(total=total, disable=not cfg.progress, desc="evaluation", unit="job") as bar:
@@ -316,6 +323,4 @@ class Evaluation:
                             before = bar.n
                             self._run_task(task, context, index, bar)
                             bar.update(per_sample - (bar.n - before))
-        from .report import aggregate
-
         return aggregate(self)
