@@ -283,6 +283,9 @@ def _atomic_write(path: str, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions of a new file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
