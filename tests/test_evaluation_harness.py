@@ -134,6 +134,15 @@ def test_command_end_to_end_and_resume(model, tmp_path):
     with open(os.path.join(out, "results.json")) as f:
         assert json.load(f)["rows"] == results["rows"]  # deterministic: the same numbers again
 
+    # --report-only on a larger grid computes nothing and leaves the new cells empty.
+    widened = [a if a != "4,8" else "4,8,16" for a in args] + ["--report-only"]
+    assert cli.main(widened) == 0
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        assert len(f.read().splitlines()) == len(lines)
+    with open(os.path.join(out, "results.json")) as f:
+        wide = {(r["selector"], r["sparsity"]): r for r in json.load(f)["rows"]}
+    assert wide[("lsh-32", 16.0)]["recall"] is None and wide[("lsh-32", 4.0)] == rows[("lsh-32", 4.0)]
+
 
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit):

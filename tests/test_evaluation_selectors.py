@@ -55,7 +55,7 @@ def check(selector, expected_scores, query, key, value):
 def test_registry_lists_every_selector_of_the_paper():
     names = selector_names()
     assert names[:2] == ["full", "oracle"]
-    for name in ("streaming", "h2o", "quest", "double_sparsity-r2", "double_sparsity-r8", "lsh-32", "lsh-256",
+    for name in ("streaming", "h2o", "h2o-heavy-only", "quest", "double_sparsity-r2", "double_sparsity-r8", "lsh-32", "lsh-256",
                  "lsh-512", "lsh-1024", "hashattention", "hashattention-group"):
         assert name in names
     assert names.index("lsh-32") < names.index("lsh-256") < names.index("lsh-1024")
@@ -210,9 +210,11 @@ def test_hashattention_without_adapters_is_unavailable(tmp_path):
         create_selector("hashattention").prepare(SelectorSetup(shape=SHAPE, adapters_dir=str(tmp_path)))
 
 
-def test_h2o_accumulates_dense_then_sparse_attention():
-    """Prefill statistics are column sums of dense attention; each sparse step adds its own probabilities."""
-    selector = prepared("h2o")
+@pytest.mark.parametrize("name, recent_fraction", [("h2o", 0.5), ("h2o-heavy-only", 0.0)])
+def test_h2o_accumulates_dense_then_sparse_attention(name, recent_fraction):
+    """Prefill statistics are column sums of dense attention; each sparse step adds its own probabilities.
+    ``h2o`` gives half of the heavy budget to the most recent tokens, as the H2O paper splits its cache."""
+    selector = prepared(name)
     g = torch.Generator().manual_seed(8)
     keys_total, prefill = 30, 24
     query = torch.randn(1, 4, keys_total, 64, generator=g)
@@ -230,7 +232,10 @@ def test_h2o_accumulates_dense_then_sparse_attention():
     for p in range(prefill, keys_total):
         q, k = query[:, :, p : p + 1], key[:, :, : p + 1]
         indices, counts = selector.select(0, q, k, value[:, :, : p + 1], budget, SCALING)
-        want = brute_force_select(expected[None, :, None, : p + 1], 1, 2, 4)
+        scores = expected[None, :, None, : p + 1].clone()
+        recent = 2 + int(4 * recent_fraction)
+        scores[..., p + 1 - recent :] = float("inf")
+        want = brute_force_select(scores, 1, 2, 4)
         assert selected_sets(indices, counts) == want, f"step {p}"
         lse = torch.stack([torch.logsumexp(logits(h, p)[sorted(want[(0, h, 0)])], 0) for h in range(4)]).float()
         selector.observe_sparse(0, q, k, indices, counts, lse[None, :, None], SCALING)

@@ -146,6 +146,11 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
+
+
 def plots(results: Dict[str, Any], directory: str) -> List[str]:
     """recall_vs_sparsity.png, task_score_vs_sparsity.png, recall_per_layer.png; returns the paths written."""
     import matplotlib
@@ -178,7 +183,7 @@ def plots(results: Dict[str, Any], directory: str) -> List[str]:
             ax.set_xlabel("sparsity")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="best")
+        _legend(axes[0][-1])
         fig.tight_layout()
         path = os.path.join(directory, filename)
         fig.savefig(path, dpi=110)
@@ -189,8 +194,10 @@ def plots(results: Dict[str, Any], directory: str) -> List[str]:
     if any(r["task_average"] is not None for r in results["rows"]):
         by_sparsity("task_average", "task_score_vs_sparsity.png", "task score (avg, %)")
 
-    sparsities = [float(s) for s in cfg["sparsities"]]
-    chosen = 16.0 if 16.0 in sparsities else sparsities[len(sparsities) // 2]
+    measured = sorted({r["sparsity"] for r in results["rows"] if r["sparsity"] is not None and r["recall_per_layer"]})
+    if not measured:
+        return written
+    chosen = 16.0 if 16.0 in measured else measured[len(measured) // 2]
     fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         for r in results["rows"]:
@@ -202,7 +209,7 @@ def plots(results: Dict[str, Any], directory: str) -> List[str]:
         ax.set_xlabel("layer")
         ax.set_ylabel(f"recall of true top-{cfg['top_k']}")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+    _legend(axes[0][-1])
     fig.tight_layout()
     path = os.path.join(directory, "recall_per_layer.png")
     fig.savefig(path, dpi=110)
