@@ -27,8 +27,10 @@ status=0
 step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 
 step build
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+# At most 8 files come back from the GPU machine: keep $OUT to build.log, pytest.log, memcheck.log,
+# bench.log and the two benchmark result files; everything else goes to stdout.
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 start=$(date +%s)
 if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
@@ -37,16 +39,16 @@ echo "build took $(( $(date +%s) - start )) s"
 python3 -c "import hashattention as ha; assert ha.WITH_CUDA, 'built without CUDA'; print('WITH_CUDA', ha.WITH_CUDA)" || exit 1
 
 step "error probe"
-python3 scripts/cuda_error_probe.py 2>&1 | tee "$OUT/error_probe.log"
+python3 scripts/cuda_error_probe.py 2>&1
 
 step "pytest (CUDA)"
 # xdist (on the GPU image) keeps going if a test crashes its worker.
 XDIST=""
 python3 -c "import xdist" 2> /dev/null && XDIST="-n 14"
 # shellcheck disable=SC2086
-timeout 270 python3 -m pytest tests -k cuda -q -p no:cacheprovider --maxfail=60 $XDIST \
-  --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
-tail -25 "$OUT/pytest.log"
+timeout 330 python3 -m pytest tests -k cuda -q -rf -p no:cacheprovider --maxfail=60 $XDIST \
+  > "$OUT/pytest.log" 2>&1 || status=1
+grep -E "^FAILED|passed|failed" "$OUT/pytest.log" | tail -40
 
 step "compute-sanitizer memcheck"
 if command -v compute-sanitizer > /dev/null; then
@@ -61,7 +63,7 @@ if [ "$BENCH" = 1 ]; then
   step benchmark
   # shellcheck disable=SC2086
   timeout 400 python3 scripts/bench_decode.py --out benchmarks/results $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
-  cp benchmarks/results/bench_decode_* "$OUT/" 2>/dev/null
+  cp benchmarks/results/bench_decode_"$(date -u +%Y%m%d)".* "$OUT/" 2>/dev/null
   grep -v "^B=" "$OUT/bench.log" | tail -45
 fi
 step "done, status $status"
