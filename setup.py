@@ -9,6 +9,7 @@ Environment switches:
   HASHATTENTION_CPU_ONLY=1   skip the CUDA sources (quick iteration on C++ only)
   TORCH_CUDA_ARCH_LIST       GPU architectures to compile for; defaults to "9.0" (Hopper: H100/H200)
   HASHATTENTION_DEBUG=1      compile with -O0 -g (host) and -lineinfo (device)
+  HASHATTENTION_LIMITED_API=0  build a version-specific module instead of a CPython stable-ABI (abi3) one
   MAX_JOBS                   parallel compile jobs (ninja); defaults to the number of cores
 """
 
@@ -93,7 +94,8 @@ def _extension():
     cxx += ["-fdiagnostics-color=always"]  # the C++ standard is left to torch (C++20 from 2.10)
     if platform.machine() in ("x86_64", "AMD64"):
         cxx.append("-mpopcnt")  # hardware popcount for the Hamming kernels
-    define_macros = [("Py_LIMITED_API", "0x030A0000")]
+    limited_api = os.environ.get("HASHATTENTION_LIMITED_API", "1") != "0"
+    define_macros = [("Py_LIMITED_API", "0x030A0000")] if limited_api else []
     extra = {"cxx": cxx}
 
     include_dirs = [os.path.join(ROOT, "csrc")]
@@ -116,12 +118,12 @@ def _extension():
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=extra,
-        py_limited_api=True,
+        py_limited_api=limited_api,
     )
 
 
 setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}} if os.environ.get("HASHATTENTION_LIMITED_API", "1") != "0" else {},
 )
