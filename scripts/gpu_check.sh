@@ -32,6 +32,10 @@ step build
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 start=$(date +%s)
+# Build with the system compiler: the GPU image's default CC/CXX (/opt/gcc) links C++ code whose
+# iostreams crash when an error message formats a number (seen 2026-12-01: every TORCH_CHECK
+# with an integer in its message segfaulted); /usr/bin/gcc matches the runtime libstdc++.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/gcc -shared"; fi
 if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi

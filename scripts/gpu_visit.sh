@@ -8,6 +8,8 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 python3 -c "import torch, sys; print('torch', torch.__version__, torch.version.cuda, 'python', sys.version.split()[0])"
 g++ --version | head -1
 
+# The system compiler: see scripts/gpu_check.sh for why (/opt/gcc builds crash on formatted errors).
+if [ "${SYSTEM_COMPILER:-1}" = 1 ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/gcc -shared"; fi
 el "build (abi3) + build (no limited API, copy) + inline extension, in parallel"
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 &
 pa=$!
