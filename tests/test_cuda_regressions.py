@@ -11,7 +11,8 @@ reach. These tests rebuild those shapes at the op level:
 * a prefill chunk of L = 128 rows whose query is a non-contiguous view (B, L, Hq, D).transpose;
 * decode steps (L = 1, lists split across CTAs and merged) captured once in a CUDA graph and
   replayed with growing lengths;
-* full budget (every causal non-padding key) and a partial budget (the histogram path).
+* full budget (every causal non-padding key), a partial budget (the histogram path) and the
+  windows-only lists (width 258, counts 256) of the check's sparsity-16 CUDA-graph decode.
 
 Rows the lists must not read (left padding and the buffer tail) hold large values, so reading
 one shows up in the output. The reference is masked dense attention in float32 over exactly the
@@ -34,6 +35,9 @@ STARTS = (0, 517)            # left padding: the second sequence holds 3579 real
 SINK, LOCAL, HEAVY_WIDTH = 128, 128, BUFFER - 256
 DTYPE = torch.bfloat16
 POISON = 30.0  # K/V value of rows no list may name: a stray read dominates the softmax
+# (static heavy width, per-sequence heavy budget): every causal key; the histogram path; and the
+# integration check's sparsity-16 config at 4K, where only the sink and local windows remain.
+BUDGETS = {"full": (HEAVY_WIDTH, HEAVY_WIDTH), "partial": (HEAVY_WIDTH, 300), "windows": (2, 0)}
 
 
 def make_inputs(g, keys_valid):
@@ -88,7 +92,7 @@ def assert_same_selection(got, expected, what):
     assert differ.numel() == 0, f"{what}: {differ.shape[0]} index entries differ, first at {differ[0].tolist()}"
 
 
-@pytest.mark.parametrize("heavy", ["full", "partial"])
+@pytest.mark.parametrize("heavy", sorted(BUDGETS))
 def test_prefill_chunk_of_128_rows_left_padded_static_buffer(heavy):
     g = generator_for("prefill-128", heavy)
     k_sig, key, value, starts = make_inputs(g, PROMPT)
@@ -96,12 +100,12 @@ def test_prefill_chunk_of_128_rows_left_padded_static_buffer(heavy):
     query = strided_query(g, rows)
     q_sig = random_signatures((BATCH, QUERY_HEADS, rows, WORDS), g, "cuda")
     lengths = torch.full((BATCH,), PROMPT, dtype=torch.int32, device="cuda")
-    budget = HEAVY_WIDTH if heavy == "full" else 300
+    heavy_width, budget = BUDGETS[heavy]
     budgets = torch.full((BATCH,), budget, dtype=torch.int32, device="cuda")
     indices, counts = ha.hamming_topk(q_sig, k_sig, selection_heads=QUERY_HEADS, sink_tokens=SINK,
-                                      local_tokens=LOCAL, budget_tokens=HEAVY_WIDTH, lengths=lengths,
+                                      local_tokens=LOCAL, budget_tokens=heavy_width, lengths=lengths,
                                       start_positions=starts, budgets=budgets)
-    assert_same_selection((indices, counts), cpu_selection(q_sig, k_sig, lengths, starts, budgets, HEAVY_WIDTH),
+    assert_same_selection((indices, counts), cpu_selection(q_sig, k_sig, lengths, starts, budgets, heavy_width),
                           f"prefill selection ({heavy})")
     if heavy == "full":  # every causal non-padding key: [start, position]
         positions = PROMPT - rows + torch.arange(rows, device="cuda")
@@ -127,20 +131,20 @@ def capture(fn):
     return graph, outputs
 
 
-@pytest.mark.parametrize("heavy", ["full", "partial"])
+@pytest.mark.parametrize("heavy", sorted(BUDGETS))
 def test_decode_graph_replays_match_eager_and_reference(heavy):
     g = generator_for("decode-graph", heavy)
     k_sig, key, value, starts = make_inputs(g, PROMPT + 16)
     query = torch.empty(BATCH, QUERY_HEADS, 1, HEAD_DIM, dtype=DTYPE, device="cuda")
     q_sig = torch.empty(BATCH, QUERY_HEADS, 1, WORDS, dtype=torch.int32, device="cuda")
     lengths = torch.empty(BATCH, dtype=torch.int32, device="cuda")
-    budget = HEAVY_WIDTH if heavy == "full" else 300
+    heavy_width, budget = BUDGETS[heavy]
     scale = HEAD_DIM**-0.5
 
     def step():
         budgets = torch.full_like(lengths, budget)
         indices, counts = ha.hamming_topk(q_sig, k_sig, selection_heads=QUERY_HEADS, sink_tokens=SINK,
-                                          local_tokens=LOCAL, budget_tokens=HEAVY_WIDTH, lengths=lengths,
+                                          local_tokens=LOCAL, budget_tokens=heavy_width, lengths=lengths,
                                           start_positions=starts, budgets=budgets)
         out, lse = ha.sparse_attention(query, key, value, indices, counts, scale=scale)
         return indices, counts, out, lse
@@ -160,7 +164,7 @@ def test_decode_graph_replays_match_eager_and_reference(heavy):
         for i, (a, b) in enumerate(zip(static, eager)):
             assert torch.equal(a, b), f"step {step_index}: replay output {i} differs from eager"
         budgets = torch.full_like(lengths, budget)
-        assert_same_selection(eager[:2], cpu_selection(q_sig, k_sig, lengths, starts, budgets, HEAVY_WIDTH),
+        assert_same_selection(eager[:2], cpu_selection(q_sig, k_sig, lengths, starts, budgets, heavy_width),
                               f"decode selection, step {step_index}")
         assert_close_verbose(eager[2], dense_reference(query, key, value, eager[0], eager[1], scale),
                              what=f"decode attention, step {step_index}", **ATTENTION_TOLERANCE[DTYPE])
