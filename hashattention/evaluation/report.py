@@ -146,6 +146,18 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+_MARKERS = "osD^vP*Xh<>p"
+
+
+def _style(name: str, names: List[str]) -> Dict[str, Any]:
+    """The same colour and marker for a selector in every plot (tab20: enough distinct colours)."""
+    import matplotlib
+
+    index = names.index(name) if name in names else len(names)
+    colour = matplotlib.colormaps["tab20"](index % 20)
+    return {"color": colour, "marker": _MARKERS[index % len(_MARKERS)], "label": name}
+
+
 def _legend(ax) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, loc="best")
@@ -173,7 +185,7 @@ def plots(results: Dict[str, Any], directory: str) -> List[str]:
                 points = sorted((r["sparsity"], r[metric]) for r in rows
                                 if r["selector"] == name and r["sparsity"] is not None and r[metric] is not None)
                 if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+                    ax.plot([p[0] for p in points], [p[1] for p in points], **_style(name, sparse_names))
             dense = [r[metric] for r in rows if r["sparsity"] is None and r[metric] is not None]
             if dense:
                 ax.axhline(dense[0], color="black", linestyle="--", linewidth=1, label="full (dense)")
@@ -203,8 +215,8 @@ def plots(results: Dict[str, Any], directory: str) -> List[str]:
         for r in results["rows"]:
             if r["context"] == context and r["sparsity"] == chosen and r["recall_per_layer"]:
                 values = r["recall_per_layer"]
-                ax.plot(range(len(values)), [float("nan") if v is None else v for v in values], marker=".",
-                        label=r["selector"])
+                ax.plot(range(len(values)), [float("nan") if v is None else v for v in values], markersize=3,
+                        linewidth=1, **_style(r["selector"], sparse_names))
         ax.set_title(f"context {context}, {chosen:g}x")
         ax.set_xlabel("layer")
         ax.set_ylabel(f"recall of true top-{cfg['top_k']}")
