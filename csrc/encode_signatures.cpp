@@ -46,11 +46,11 @@ at::Tensor pack_rows_cpu(const at::Tensor& values, int64_t rows, int64_t bits) {
 
 at::Tensor pack_signs_cpu(const at::Tensor& values) {
   TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
-                   values.scalar_type());
+                   as_text(values.scalar_type()));
   TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (..., bits)");
   const int64_t bits = values.size(-1);
   TORCH_CHECK_VALUE(bits > 0 && bits % 32 == 0, "values last dimension (bits) must be a positive multiple ",
-                    "of 32, got ", bits);
+                    "of 32, got ", as_text(bits));
   const at::Tensor contiguous = values.contiguous();
   const int64_t rows = bits == 0 ? 0 : contiguous.numel() / bits;
   auto out_shape = values.sizes().vec();

@@ -22,9 +22,9 @@ EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>&
   check_nonempty_batch(x.size(0), "x");
   TORCH_CHECK_VALUE(!weights.empty(), "weights must hold at least one layer, got an empty list");
   TORCH_CHECK_VALUE(weights.size() == biases.size(), "weights and biases must have one entry per layer, got ",
-                    weights.size(), " weights and ", biases.size(), " biases");
+                    as_text(weights.size()), " weights and ", as_text(biases.size()), " biases");
   TORCH_CHECK_VALUE(is_known_activation(activation), "activation must be one of 'silu', 'relu', 'gelu', ",
-                    "'tanh', 'identity', got '", activation, "'");
+                    "'tanh', 'identity', got '", as_text(activation), "'");
   const int64_t heads = x.size(1);
   int64_t width = x.size(3);
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -37,18 +37,18 @@ EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>&
     check_same_device(w, x, wname.c_str(), "x");
     check_same_device(b, x, bname.c_str(), "x");
     check_dim(w, 3, wname.c_str(), "(heads, in_features, out_features)");
-    TORCH_CHECK_VALUE(w.size(0) == heads, wname, " must have one matrix per head (", heads,
-                      " heads in x), got shape ", w.sizes());
-    TORCH_CHECK_VALUE(w.size(1) == width, wname, " must have in_features = ", width,
-                      (i == 0 ? " (the last dimension of x)" : " (out_features of the previous layer)"),
-                      ", got shape ", w.sizes());
-    TORCH_CHECK_VALUE(w.size(2) > 0, wname, " must have out_features >= 1, got shape ", w.sizes());
+    TORCH_CHECK_VALUE(w.size(0) == heads, as_text(wname), " must have one matrix per head (", as_text(heads),
+                      " heads in x), got shape ", as_text(w.sizes()));
+    TORCH_CHECK_VALUE(w.size(1) == width, as_text(wname), " must have in_features = ", as_text(width),
+                      as_text((i == 0 ? " (the last dimension of x)" : " (out_features of the previous layer)")),
+                      ", got shape ", as_text(w.sizes()));
+    TORCH_CHECK_VALUE(w.size(2) > 0, as_text(wname), " must have out_features >= 1, got shape ", as_text(w.sizes()));
     width = w.size(2);
-    TORCH_CHECK_VALUE(b.dim() == 2 && b.size(0) == heads && b.size(1) == width, bname,
-                      " must have shape (heads, out_features) = (", heads, ", ", width, "), got ", b.sizes());
+    TORCH_CHECK_VALUE(b.dim() == 2 && b.size(0) == heads && b.size(1) == width, as_text(bname),
+                      " must have shape (heads, out_features) = (", as_text(heads), ", ", as_text(width), "), got ", as_text(b.sizes()));
   }
   TORCH_CHECK_VALUE(width % 32 == 0, "the last layer's out_features (the signature bits) must be a ",
-                    "multiple of 32, got ", width);
+                    "multiple of 32, got ", as_text(width));
   return EncodeDims{x.size(0), heads, x.size(2), x.size(3), width, width / 32};
 }
 
@@ -59,18 +59,18 @@ HammingDims check_hamming_args(const at::Tensor& q, const at::Tensor& k, int64_t
   check_dim(k, 4, "key_signatures", "(batch, key_heads, keys, words)");
   check_same_device(k, q, "key_signatures", "query_signatures");
   check_nonempty_batch(q.size(0), "query_signatures");
-  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "key_signatures batch (", k.size(0),
-                    ") must equal query_signatures batch (", q.size(0), ")");
-  TORCH_CHECK_VALUE(k.size(3) == q.size(3), "key_signatures words (", k.size(3),
-                    ") must equal query_signatures words (", q.size(3), ")");
-  TORCH_CHECK_VALUE(q.size(3) >= 1 && q.size(3) <= kMaxWords, "signatures must have 1 to ", kMaxWords,
-                    " int32 words (32 to 1024 bits), got ", q.size(3));
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "key_signatures batch (", as_text(k.size(0)),
+                    ") must equal query_signatures batch (", as_text(q.size(0)), ")");
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3), "key_signatures words (", as_text(k.size(3)),
+                    ") must equal query_signatures words (", as_text(q.size(3)), ")");
+  TORCH_CHECK_VALUE(q.size(3) >= 1 && q.size(3) <= kMaxWords, "signatures must have 1 to ", as_text(kMaxWords),
+                    " int32 words (32 to 1024 bits), got ", as_text(q.size(3)));
   const int64_t hq = q.size(1), hk = k.size(1);
-  TORCH_CHECK_VALUE(hq >= 1 && hk >= 1 && hq % hk == 0, "key_signatures heads (", hk,
-                    ") must divide query_signatures heads (", hq,
+  TORCH_CHECK_VALUE(hq >= 1 && hk >= 1 && hq % hk == 0, "key_signatures heads (", as_text(hk),
+                    ") must divide query_signatures heads (", as_text(hq),
                     "): one key head per query head, or one per KV group");
   TORCH_CHECK_VALUE(selection_heads >= 1 && hq % selection_heads == 0, "selection_heads (",
-                    selection_heads, ") must divide query_signatures heads (", hq,
+                    as_text(selection_heads), ") must divide query_signatures heads (", as_text(hq),
                     "): use the query heads (per-head selection) or the KV heads (group-shared)");
   check_last_dim_contiguous(q, "query_signatures");
   check_last_dim_contiguous(k, "key_signatures");
@@ -82,14 +82,14 @@ SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
                                    const std::optional<at::Tensor>& budgets, int64_t batch,
                                    const at::Tensor& ref, const char* ref_name, int64_t sink,
                                    int64_t local, int64_t budget) {
-  TORCH_CHECK_VALUE(sink >= 0 && sink <= kInt32Max, "sink_tokens must be in [0, 2^31 - 1], got ", sink);
-  TORCH_CHECK_VALUE(local >= 0 && local <= kInt32Max, "local_tokens must be in [0, 2^31 - 1], got ", local);
+  TORCH_CHECK_VALUE(sink >= 0 && sink <= kInt32Max, "sink_tokens must be in [0, 2^31 - 1], got ", as_text(sink));
+  TORCH_CHECK_VALUE(local >= 0 && local <= kInt32Max, "local_tokens must be in [0, 2^31 - 1], got ", as_text(local));
   TORCH_CHECK_VALUE(budget >= 0 && budget <= kInt32Max, "budget_tokens must be in [0, 2^31 - 1], got ",
-                    budget);
+                    as_text(budget));
   TORCH_CHECK_VALUE(sink + local + budget >= 1,
                     "sink_tokens + local_tokens + budget_tokens must be >= 1 (nothing would be selected)");
   TORCH_CHECK_VALUE(sink + local + budget <= kInt32Max, "sink_tokens + local_tokens + budget_tokens (",
-                    sink + local + budget, ") is the output width and must fit in int32");
+                    as_text(sink + local + budget), ") is the output width and must fit in int32");
   check_per_sequence(lengths, batch, ref, "lengths", ref_name);
   check_per_sequence(start_positions, batch, ref, "start_positions", ref_name);
   check_per_sequence(budgets, batch, ref, "budgets", ref_name);
@@ -105,12 +105,12 @@ void check_selection_values(const std::optional<at::Tensor>& lengths,
   const at::Tensor st = start_positions.has_value() ? start_positions->contiguous() : at::Tensor();
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = lengths.has_value() ? len.data_ptr<int32_t>()[b] : keys;
-    TORCH_CHECK_VALUE(length >= 0 && length <= keys, "lengths[", b, "] = ", length,
-                      " must be in [0, N] where N = ", keys, " is the number of cached keys");
+    TORCH_CHECK_VALUE(length >= 0 && length <= keys, "lengths[", as_text(b), "] = ", as_text(length),
+                      " must be in [0, N] where N = ", as_text(keys), " is the number of cached keys");
     if (start_positions.has_value()) {
       const int64_t s = st.data_ptr<int32_t>()[b];
-      TORCH_CHECK_VALUE(s >= 0 && s <= length, "start_positions[", b, "] = ", s,
-                        " must be in [0, lengths[", b, "]] = [0, ", length, "]");
+      TORCH_CHECK_VALUE(s >= 0 && s <= length, "start_positions[", as_text(b), "] = ", as_text(s),
+                        " must be in [0, lengths[", as_text(b), "]] = [0, ", as_text(length), "]");
     }
   }
 }
@@ -124,10 +124,10 @@ AttentionDims check_attention_args(const at::Tensor& query, const at::Tensor& ke
   check_nonempty_batch(query.size(0), "query");
   check_last_dim_contiguous(query, "query");
   TORCH_CHECK_TYPE(key_cache.scalar_type() == query.scalar_type(), "key_cache must have the query's dtype (",
-                   query.scalar_type(), "), got ", key_cache.scalar_type());
+                   as_text(query.scalar_type()), "), got ", as_text(key_cache.scalar_type()));
   TORCH_CHECK_TYPE(value_cache.scalar_type() == query.scalar_type(),
-                   "value_cache must have the query's dtype (", query.scalar_type(), "), got ",
-                   value_cache.scalar_type());
+                   "value_cache must have the query's dtype (", as_text(query.scalar_type()), "), got ",
+                   as_text(value_cache.scalar_type()));
   check_same_device(key_cache, query, "key_cache", "query");
   check_same_device(value_cache, query, "value_cache", "query");
   check_same_device(indices, query, "indices", "query");
@@ -135,51 +135,51 @@ AttentionDims check_attention_args(const at::Tensor& query, const at::Tensor& ke
   check_last_dim_contiguous(value_cache, "value_cache");
 
   const int64_t batch = query.size(0), hq = query.size(1), rows = query.size(2), d = query.size(3);
-  TORCH_CHECK_VALUE(is_supported_head_dim(d), "query head_dim must be 64, 128 or 256, got ", d);
+  TORCH_CHECK_VALUE(is_supported_head_dim(d), "query head_dim must be 64, 128 or 256, got ", as_text(d));
   const bool paged = block_table.has_value();
   const char* layout = paged ? "(num_pages, page_size, kv_heads, head_dim) with a block_table"
                              : "(batch, kv_heads, keys, head_dim)";
   check_dim(key_cache, 4, "key_cache", layout);
   check_dim(value_cache, 4, "value_cache", layout);
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-                    " must equal key_cache shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(key_cache.size(3) == d, "key_cache head_dim (", key_cache.size(3),
-                    ") must equal query head_dim (", d, ")");
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", as_text(value_cache.sizes()),
+                    " must equal key_cache shape ", as_text(key_cache.sizes()));
+  TORCH_CHECK_VALUE(key_cache.size(3) == d, "key_cache head_dim (", as_text(key_cache.size(3)),
+                    ") must equal query head_dim (", as_text(d), ")");
   int64_t hkv, keys, page_size;
   if (paged) {
     const at::Tensor& bt = *block_table;
     check_int32(bt, "block_table");
     check_same_device(bt, query, "block_table", "query");
     TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == batch, "block_table must have shape (batch, max_pages) ",
-                      "with batch = ", batch, ", got ", bt.sizes());
+                      "with batch = ", as_text(batch), ", got ", as_text(bt.sizes()));
     page_size = key_cache.size(1);
     TORCH_CHECK_VALUE(page_size >= 1, "key_cache page_size (dimension 1) must be >= 1");
     hkv = key_cache.size(2);
     keys = bt.size(1) * page_size;
   } else {
-    TORCH_CHECK_VALUE(key_cache.size(0) == batch, "key_cache batch (", key_cache.size(0),
-                      ") must equal query batch (", batch, ")");
+    TORCH_CHECK_VALUE(key_cache.size(0) == batch, "key_cache batch (", as_text(key_cache.size(0)),
+                      ") must equal query batch (", as_text(batch), ")");
     hkv = key_cache.size(1);
     keys = key_cache.size(2);
     page_size = 1;
   }
-  TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "KV heads (", hkv, ") must divide query heads (", hq, ")");
+  TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "KV heads (", as_text(hkv), ") must divide query heads (", as_text(hq), ")");
 
   check_int32(indices, "indices");
   check_dim(indices, 4, "indices", "(batch, selection_heads, rows, width)");
   check_last_dim_contiguous(indices, "indices");
   TORCH_CHECK_VALUE(indices.size(0) == batch && indices.size(2) == rows, "indices must have shape (batch=",
-                    batch, ", selection_heads, rows=", rows, ", width), got ", indices.sizes());
+                    as_text(batch), ", selection_heads, rows=", as_text(rows), ", width), got ", as_text(indices.sizes()));
   const int64_t hs = indices.size(1);
-  TORCH_CHECK_VALUE(hs >= 1 && hq % hs == 0, "indices selection_heads (", hs, ") must divide query heads (",
-                    hq, ")");
+  TORCH_CHECK_VALUE(hs >= 1 && hq % hs == 0, "indices selection_heads (", as_text(hs), ") must divide query heads (",
+                    as_text(hq), ")");
   if (counts.has_value()) {
     check_int32(*counts, "counts");
     check_same_device(*counts, query, "counts", "query");
     TORCH_CHECK_VALUE(counts->dim() == 3 && counts->size(0) == batch && counts->size(1) == hs &&
                           counts->size(2) == rows,
-                      "counts must have shape (batch, selection_heads, rows) = (", batch, ", ", hs, ", ",
-                      rows, "), got ", counts->sizes());
+                      "counts must have shape (batch, selection_heads, rows) = (", as_text(batch), ", ", as_text(hs), ", ",
+                      as_text(rows), "), got ", as_text(counts->sizes()));
   }
   return AttentionDims{batch, hq, hkv, hs, rows, d, indices.size(3), paged, keys, page_size};
 }
@@ -198,20 +198,20 @@ void check_attention_values(const AttentionDims& dims, const at::Tensor& key_cac
     int64_t used = dims.width;
     if (counts.has_value()) {
       used = cnt.data_ptr<int32_t>()[r];
-      TORCH_CHECK_VALUE(used >= 0 && used <= dims.width, "counts must be in [0, width=", dims.width,
-                        "], got ", used, " at flat row ", r);
+      TORCH_CHECK_VALUE(used >= 0 && used <= dims.width, "counts must be in [0, width=", as_text(dims.width),
+                        "], got ", as_text(used), " at flat row ", as_text(r));
     }
     const int64_t b = r / (dims.selection_heads * dims.rows);
     for (int64_t j = 0; j < used; ++j) {
       const int64_t p = ip[r * dims.width + j];
       if (p < 0 && !counts.has_value()) continue;  // -1 padding is skipped when counts are absent
-      TORCH_CHECK_VALUE(p >= 0 && p < dims.keys, "indices must be in [0, ", dims.keys, ") for the ",
-                        (dims.paged ? "paged cache (max_pages * page_size)" : "cache length N"), ", got ", p,
-                        " at flat row ", r, ", entry ", j);
+      TORCH_CHECK_VALUE(p >= 0 && p < dims.keys, "indices must be in [0, ", as_text(dims.keys), ") for the ",
+                        as_text((dims.paged ? "paged cache (max_pages * page_size)" : "cache length N")), ", got ", as_text(p),
+                        " at flat row ", as_text(r), ", entry ", as_text(j));
       if (dims.paged) {
         const int64_t page = bt.data_ptr<int32_t>()[b * max_pages + p / dims.page_size];
-        TORCH_CHECK_VALUE(page >= 0 && page < pages, "block_table[", b, ", ", p / dims.page_size, "] = ", page,
-                          " must be in [0, num_pages=", pages, ")");
+        TORCH_CHECK_VALUE(page >= 0 && page < pages, "block_table[", as_text(b), ", ", as_text(p / dims.page_size), "] = ", as_text(page),
+                          " must be in [0, num_pages=", as_text(pages), ")");
       }
     }
   }

@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> topk_from_scores_cpu(const at::Tensor& scores
                                                         int64_t budget_tokens) {
   const auto dtype = scores.scalar_type();
   TORCH_CHECK_TYPE(!at::isComplexType(dtype) && dtype != at::kBool, "scores must be a real (integer or ",
-                   "floating-point) tensor, got ", dtype);
+                   "floating-point) tensor, got ", as_text(dtype));
   check_dim(scores, 4, "scores", "(batch, selection_heads, rows, keys)");
   check_nonempty_batch(scores.size(0), "scores");
   const int64_t batch = scores.size(0), heads = scores.size(1), rows = scores.size(2), keys = scores.size(3);

@@ -129,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
       launch_sparse_attention<c10::BFloat16>(p, head_dim, max_heads, grid, stream);
       break;
     default:
-      TORCH_CHECK_TYPE(false, "query must be float32, float16 or bfloat16, got ", query.scalar_type());
+      TORCH_CHECK_TYPE(false, "query must be float32, float16 or bfloat16, got ", as_text(query.scalar_type()));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
