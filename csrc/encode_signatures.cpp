@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "outputs.h"
+#include "mlp_activation.h"
 #include "op_arguments.h"
 #include "signature_packing.h"
 
@@ -15,17 +16,6 @@ namespace hashattention {
 
 namespace {
 
-void apply_activation_(at::Tensor& h, const std::string& activation) {
-  if (activation == "silu") {
-    at::silu_(h);
-  } else if (activation == "relu") {
-    at::relu_(h);
-  } else if (activation == "gelu") {
-    h = at::gelu(h);
-  } else if (activation == "tanh") {
-    at::tanh_(h);
-  }  // "identity": nothing to do
-}
 
 // values: contiguous (rows, bits) -> int32 (rows, bits / 32)
 at::Tensor pack_rows_cpu(const at::Tensor& values, int64_t rows, int64_t bits) {
@@ -45,12 +35,7 @@ at::Tensor pack_rows_cpu(const at::Tensor& values, int64_t rows, int64_t bits) {
 }  // namespace
 
 at::Tensor pack_signs_cpu(const at::Tensor& values) {
-  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
-                   as_text(values.scalar_type()));
-  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (..., bits)");
-  const int64_t bits = values.size(-1);
-  TORCH_CHECK_VALUE(bits > 0 && bits % 32 == 0, "values last dimension (bits) must be a positive multiple ",
-                    "of 32, got ", as_text(bits));
+  const int64_t bits = check_pack_args(values);
   const at::Tensor contiguous = values.contiguous();
   const int64_t rows = bits == 0 ? 0 : contiguous.numel() / bits;
   auto out_shape = values.sizes().vec();

@@ -52,6 +52,16 @@ EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>&
   return EncodeDims{x.size(0), heads, x.size(2), x.size(3), width, width / 32};
 }
 
+int64_t check_pack_args(const at::Tensor& values) {
+  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
+                   as_text(values.scalar_type()));
+  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (..., bits)");
+  const int64_t bits = values.size(-1);
+  TORCH_CHECK_VALUE(bits > 0 && bits % 32 == 0, "values last dimension (bits) must be a positive multiple ",
+                    "of 32, got ", as_text(bits));
+  return bits;
+}
+
 HammingDims check_hamming_args(const at::Tensor& q, const at::Tensor& k, int64_t selection_heads) {
   check_int32(q, "query_signatures");
   check_int32(k, "key_signatures");
@@ -94,6 +104,20 @@ SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
   check_per_sequence(start_positions, batch, ref, "start_positions", ref_name);
   check_per_sequence(budgets, batch, ref, "budgets", ref_name);
   return SelectionArgs{sink, local, budget};
+}
+
+ScoreSelectionDims check_score_selection_args(const at::Tensor& scores, const std::optional<at::Tensor>& lengths,
+                                              const std::optional<at::Tensor>& start_positions,
+                                              const std::optional<at::Tensor>& budgets, int64_t sink_tokens,
+                                              int64_t local_tokens, int64_t budget_tokens) {
+  const auto dtype = scores.scalar_type();
+  TORCH_CHECK_TYPE(!at::isComplexType(dtype) && dtype != at::kBool, "scores must be a real (integer or ",
+                   "floating-point) tensor, got ", as_text(dtype));
+  check_dim(scores, 4, "scores", "(batch, selection_heads, rows, keys)");
+  check_nonempty_batch(scores.size(0), "scores");
+  const SelectionArgs selection = check_selection_args(lengths, start_positions, budgets, scores.size(0), scores,
+                                                       "scores", sink_tokens, local_tokens, budget_tokens);
+  return ScoreSelectionDims{scores.size(0), scores.size(1), scores.size(2), scores.size(3), selection};
 }
 
 void check_selection_values(const std::optional<at::Tensor>& lengths,

@@ -19,6 +19,9 @@ struct EncodeDims {
 EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                              const std::vector<at::Tensor>& biases, const std::string& activation);
 
+// pack_signs: returns the number of bits (a positive multiple of 32) of `values` (..., bits).
+int64_t check_pack_args(const at::Tensor& values);
+
 struct HammingDims {
   int64_t batch, query_heads, key_heads, selection_heads, rows, keys, words;
   int64_t heads_per_selection() const { return query_heads / selection_heads; }
@@ -38,6 +41,16 @@ SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
                                    const std::optional<at::Tensor>& budgets, int64_t batch,
                                    const at::Tensor& ref, const char* ref_name, int64_t sink_tokens,
                                    int64_t local_tokens, int64_t budget_tokens);
+struct ScoreSelectionDims {
+  int64_t batch, heads, rows, keys;
+  SelectionArgs selection;
+};
+// topk_from_scores: scores (B, Hs, L, N) of a real dtype, plus the selection arguments.
+ScoreSelectionDims check_score_selection_args(const at::Tensor& scores, const std::optional<at::Tensor>& lengths,
+                                              const std::optional<at::Tensor>& start_positions,
+                                              const std::optional<at::Tensor>& budgets, int64_t sink_tokens,
+                                              int64_t local_tokens, int64_t budget_tokens);
+
 // CPU only: lengths in [0, keys], start in [0, length].
 void check_selection_values(const std::optional<at::Tensor>& lengths,
                             const std::optional<at::Tensor>& start_positions, int64_t keys);

@@ -408,14 +408,11 @@ std::tuple<at::Tensor, at::Tensor> topk_from_scores_cuda(const at::Tensor& score
                                                          const std::optional<at::Tensor>& budgets,
                                                          int64_t sink_tokens, int64_t local_tokens,
                                                          int64_t budget_tokens) {
+  const ScoreSelectionDims dims = check_score_selection_args(scores, lengths, start_positions, budgets, sink_tokens,
+                                                             local_tokens, budget_tokens);
   const auto dtype = scores.scalar_type();
-  TORCH_CHECK_TYPE(!at::isComplexType(dtype) && dtype != at::kBool, "scores must be a real (integer or ",
-                   "floating-point) tensor, got ", as_text(dtype));
-  check_dim(scores, 4, "scores", "(batch, selection_heads, rows, keys)");
-  check_nonempty_batch(scores.size(0), "scores");
-  const int64_t batch = scores.size(0), heads = scores.size(1), rows = scores.size(2), keys = scores.size(3);
-  const SelectionArgs args = check_selection_args(lengths, start_positions, budgets, batch, scores, "scores",
-                                                  sink_tokens, local_tokens, budget_tokens);
+  const int64_t batch = dims.batch, heads = dims.heads, rows = dims.rows, keys = dims.keys;
+  const SelectionArgs args = dims.selection;
   const c10::cuda::CUDAGuard guard(scores.device());
   auto int_options = scores.options().dtype(at::kInt);
   at::Tensor indices = new_output({batch, heads, rows, args.width()}, int_options);

@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "cuda_common.cuh"
+#include "mlp_activation.h"
 #include "op_arguments.h"
 #include "outputs.h"
 
@@ -54,17 +55,6 @@ void launch_sign_pack(const at::Tensor& values, const at::Tensor& bias, at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void apply_activation_(at::Tensor& h, const std::string& activation) {
-  if (activation == "silu") {
-    at::silu_(h);
-  } else if (activation == "relu") {
-    at::relu_(h);
-  } else if (activation == "gelu") {
-    h = at::gelu(h);
-  } else if (activation == "tanh") {
-    at::tanh_(h);
-  }  // "identity": nothing to do
-}
 
 // One thread per output score; the query words of a row are the same for a whole warp
 // (L1 broadcast), the key words are read coalesced along N.
@@ -96,12 +86,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 at::Tensor pack_signs_cuda(const at::Tensor& values) {
-  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
-                   as_text(values.scalar_type()));
-  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (..., bits)");
-  const int64_t bits = values.size(-1);
-  TORCH_CHECK_VALUE(bits > 0 && bits % 32 == 0, "values last dimension (bits) must be a positive multiple ",
-                    "of 32, got ", as_text(bits));
+  const int64_t bits = check_pack_args(values);
   const c10::cuda::CUDAGuard guard(values.device());
   const at::Tensor contiguous = values.contiguous();
   auto out_shape = values.sizes().vec();
