@@ -3,17 +3,17 @@
 // same order, ties to the later position, -1 padding, counts).
 //
 // Fast path of hamming_topk (a row's scores take only max_score + 1 <= kFastBins values):
-// the row is split into chunks so that even batch 1 fills the GPU, and three kernels run:
-//   1. histogram: each (row, chunk) block scores its chunk and writes the chunk's histogram;
-//   2. threshold: one block per row sums the chunk histograms, finds the threshold score T
-//      (the largest with count(score >= T) >= m), how many of the ties at T to skip (the
-//      earliest ones), and for each chunk where its selected entries start; it also writes
-//      the sink and local windows, the padding and the count;
-//   3. compaction: each (row, chunk) block scores its chunk again (the signatures are
-//      L2-hot) and writes its selected positions in order.
+// each row is split into chunks of absolute positions so that even batch 1 fills the GPU,
+// and two kernels run over the (row, chunk) grid:
+//   1. histogram: each block scores its chunk's candidates and writes the chunk's histogram;
+//   2. compaction: each block sums the row's chunk histograms, finds the threshold score T
+//      (the largest with count(score >= T) >= m) and how many of the ties at T to skip (the
+//      earliest ones), derives its chunk's output offset, scores its chunk again (the
+//      signatures are L2-hot) and writes its selected positions in order; the chunk-0 block
+//      also writes the sink and local windows, the padding and the count.
 // No score tensor is written and nothing is sorted. Every other case (larger score ranges,
 // and topk_from_scores for any dtype) runs one block per row: an exact radix select over
-// order-preserving keys, 8 bits per pass, then the same ordered compaction.
+// order-preserving keys, 8 bits per pass, then an ordered compaction.
 #include <torch/library.h>
 
 #include <tuple>
@@ -28,26 +28,25 @@ namespace hashattention {
 namespace cuda {
 namespace {
 
-constexpr int kItems = 4;                        // elements per thread per tile
-constexpr int64_t kTile = int64_t(kItems) * kThreads;
-constexpr int64_t kFastBins = 2049;              // score ranges the histogram path handles
-constexpr int64_t kMaxChunks = 4096;
+constexpr int kItems = 4;  // elements per thread per tile of the radix-select path
+// Fast path: chunks are whole multiples of one block-wide step of 4-position groups, and start
+// at multiples of it in absolute positions, so 16-byte signature loads stay aligned.
+constexpr int64_t kChunkQuantum = int64_t(4) * kThreads;
+constexpr int64_t kFastBins = 2049;       // score ranges the histogram path handles
+constexpr int kHistogramInts = 4096;      // chunks x bins of one row, read by every compaction block
+constexpr int kPerThreadMaxBins = 33;     // per-thread counters: bins * kThreads ints of shared memory
+constexpr int kPerWarpMaxBins = 1024;     // per-warp histograms: bins * kWarps ints
 
 struct ChunkLayout {
-  int64_t chunk;   // candidates per chunk (multiple of kTile)
-  int64_t chunks;  // chunks per row (grid dimension)
-  int64_t bins;
+  int64_t chunk;   // positions per chunk (multiple of kChunkQuantum)
+  int64_t chunks;  // chunks per row (grid dimension): ceil(N / chunk)
+  int bins;        // possible scores: 32 * W * group + 1
 };
 
-// Workspace of the fast path (int32): per row, chunks x bins histograms, then per chunk
-// (output offset, ties to skip), then per row (mode, threshold).
+// Workspace of the fast path: per row, chunks x bins histograms (int32).
 struct FastWorkspace {
   int32_t* histograms;
-  int32_t* chunk_info;
-  int32_t* row_info;
 };
-
-enum RowMode : int32_t { kNothing = 0, kAll = 1, kPartial = 2 };
 
 __device__ __forceinline__ void row_coordinates(const SelectionParams& p, int64_t row, int64_t& b, int64_t& s,
                                                 int64_t& l) {
@@ -57,172 +56,241 @@ __device__ __forceinline__ void row_coordinates(const SelectionParams& p, int64_
 }
 
 // ---- fast path, kernel 1: chunk histograms --------------------------------------------------
+// Block (row, chunk) counts the scores of the row's candidates inside the chunk. Threads take
+// aligned groups of four positions (one 16-byte load of W = 1 signatures). Scores cluster on a
+// few values, so the counters are privatised to avoid same-address conflicts:
+//   kPerThread: one counter per (bin, thread) -- plain increments, conflict-free (bins <= 33);
+//   kPerWarp:   one histogram per warp, shared-memory atomics (bins <= kPerWarpMaxBins);
+//   kPerBlock:  one histogram per block, shared-memory atomics.
+enum HistogramMode : int { kPerThread = 0, kPerWarp = 1, kPerBlock = 2 };
+
+template <int kMode>
 __global__ void __launch_bounds__(kThreads)
     hamming_histogram_kernel(SelectionParams p, HammingSource src, ChunkLayout layout, FastWorkspace ws) {
   extern __shared__ int32_t smem[];
-  int32_t* histogram = smem;
-  int32_t* q_words = smem + layout.bins;
   const int64_t row = blockIdx.x, chunk = blockIdx.y;
   int64_t b, s, l;
   row_coordinates(p, row, b, s, l);
   const RowWindow w = p.window(b, l);
   const int64_t n = w.candidates();
-  if (w.heavy_budget == 0 || w.heavy_budget == n) return;
-  const int64_t begin = chunk * layout.chunk;
-  if (begin >= n) return;
-  const int64_t size = min(layout.chunk, n - begin);
+  if (w.heavy_budget == 0 || w.heavy_budget == n) return;  // the compaction needs no scores
+  const int64_t base = chunk * layout.chunk;
+  const int64_t lo = max64(w.sink_end, base), hi = min64(w.local_begin, base + layout.chunk);
+  if (lo >= hi) return;  // the compaction never reads this chunk's histogram
 
-  for (int64_t v = threadIdx.x; v < layout.bins; v += kThreads) histogram[v] = 0;
-  src.prepare(b, s, l, q_words);  // ends with a barrier
-  const int64_t first = w.sink_end + begin;
-  for (int64_t tile = 0; tile < size; tile += kTile) {
-    int32_t score[kItems];
+  const int bins = layout.bins;
+  const int counters = kMode == kPerThread ? bins * kThreads : (kMode == kPerWarp ? bins * kWarps : bins);
+  int32_t* histogram = smem;
+  for (int v = threadIdx.x; v < counters; v += kThreads) histogram[v] = 0;
+  src.prepare(b, s, l, smem + counters);  // ends with a barrier
+  const int warp = threadIdx.x >> 5;
+  const int64_t first_group = (lo - base) >> 2, end_group = ((hi - 1 - base) >> 2) + 1;
+#pragma unroll 2
+  for (int64_t g = first_group + threadIdx.x; g < end_group; g += kThreads) {
+    int32_t score[4];
+    src.score4(base + 4 * g, lo, hi, score);
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int64_t i = tile + k * kThreads + threadIdx.x;
-      score[k] = i < size ? src.score(first + i) : -1;
-    }
-    // Scores cluster on a few values, so plain shared atomics from a warp would serialise on
-    // the same addresses: lanes holding equal scores elect one of them to add their count.
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const unsigned peers = __match_any_sync(0xffffffffu, score[k]);
-      if (score[k] >= 0 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&histogram[score[k]], __popc(peers));
+    for (int j = 0; j < 4; ++j) {
+      if (score[j] < 0) continue;
+      if (kMode == kPerThread) {
+        histogram[score[j] * kThreads + threadIdx.x] += 1;  // bank = thread % 32: no conflicts
+      } else if (kMode == kPerWarp) {
+        atomicAdd(&histogram[warp * bins + score[j]], 1);
+      } else {
+        atomicAdd(&histogram[score[j]], 1);
+      }
     }
   }
   __syncthreads();
-  int32_t* out = ws.histograms + (row * layout.chunks + chunk) * layout.bins;
-  for (int64_t v = threadIdx.x; v < layout.bins; v += kThreads) out[v] = histogram[v];
+  int32_t* out = ws.histograms + (row * layout.chunks + chunk) * bins;
+  if (kMode == kPerThread) {  // warp per bin: sum its kThreads counters
+    const int lane = threadIdx.x & 31;
+    for (int v = warp; v < bins; v += kWarps) {
+      int32_t total = 0;
+#pragma unroll
+      for (int t = lane; t < kThreads; t += 32) total += histogram[v * kThreads + t];
+      total = static_cast<int32_t>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(total)));
+      if (lane == 0) out[v] = total;
+    }
+  } else {
+    for (int v = threadIdx.x; v < bins; v += kThreads) {
+      int32_t total = 0;
+      if (kMode == kPerWarp) {
+#pragma unroll
+        for (int k = 0; k < kWarps; ++k) total += histogram[k * bins + v];
+      } else {
+        total = histogram[v];
+      }
+      out[v] = total;
+    }
+  }
 }
 
-// ---- fast path, kernel 2: threshold and chunk offsets ---------------------------------------
+// ---- fast path, kernel 2: threshold, chunk offset and ordered compaction --------------------
+// Block (row, chunk) reads the histograms of all the row's chunks (at most kHistogramInts
+// counters, from L2), finds the threshold score T (the largest with count(score >= T) >= m)
+// and how many of the ties at T to drop (the earliest ones), derives where its chunk's
+// selected entries start and how many of its own ties to drop, then writes its selected
+// positions in order. Every block of a row repeats the threshold search: that costs a few
+// hundred shared-memory reads and saves a kernel launch between the two phases.
+// The chunk is split into one contiguous segment per warp: a first pass counts each
+// segment's entries, a second pass writes them (a warp scan orders the entries of 128
+// consecutive positions), so no block barrier runs per tile.
 __global__ void __launch_bounds__(kThreads)
-    hamming_threshold_kernel(SelectionParams p, ChunkLayout layout, FastWorkspace ws) {
-  extern __shared__ int32_t smem[];
-  int32_t* histogram = smem;                          // bins
-  int32_t* chunk_better = smem + layout.bins;         // chunks
-  int32_t* chunk_ties = chunk_better + layout.chunks;  // chunks
+    hamming_compact_kernel(SelectionParams p, HammingSource src, ChunkLayout layout, FastWorkspace ws) {
+  extern __shared__ int32_t smem[];  // query words, then the row's chunk histograms, then the total
   __shared__ int64_t scan_scratch[kWarps];
   __shared__ int64_t found[2];
-
-  const int64_t row = blockIdx.x;
+  __shared__ int32_t segment_counts[kWarps][2];
+  const int64_t row = blockIdx.x, chunk = blockIdx.y;
   int64_t b, s, l;
   row_coordinates(p, row, b, s, l);
   const RowWindow w = p.window(b, l);
-  write_fixed_part_of_row(p, row, w);
+  if (chunk == 0) write_fixed_part_of_row(p, row, w);
   const int64_t n = w.candidates(), m = w.heavy_budget;
-  int32_t* info = ws.row_info + row * 2;
-  if (m == 0 || m == n) {
-    if (threadIdx.x == 0) info[0] = m == 0 ? kNothing : kAll;
+  if (m == 0) return;
+  const int64_t base = chunk * layout.chunk;
+  const int64_t lo = max64(w.sink_end, base), hi = min64(w.local_begin, base + layout.chunk);
+  if (lo >= hi) return;
+  // Heavy slot j of the row holds its j-th selected candidate.
+  int32_t* out = p.indices + row * p.width + (w.sink_end - w.start);
+  if (m == n) {  // every candidate is kept: no scores needed
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) out[i - w.sink_end] = static_cast<int32_t>(i);
     return;
   }
-  const int64_t chunks = ceil_div(n, layout.chunk);
-  const int64_t bins = layout.bins;
-  const int32_t* hist_base = ws.histograms + row * layout.chunks * bins;
 
-  for (int64_t v = threadIdx.x; v < bins; v += kThreads) {
+  // 1. The row's histogram (sum over its chunks that hold candidates).
+  const int bins = layout.bins;
+  const int64_t c_first = w.sink_end / layout.chunk, c_last = (w.local_begin - 1) / layout.chunk;
+  const int chunk_count = static_cast<int>(c_last - c_first + 1), own = static_cast<int>(chunk - c_first);
+  int32_t* q_words = smem;
+  int32_t* chunk_hist = smem + src.group * src.words;
+  int32_t* histogram = chunk_hist + chunk_count * bins;
+  const int32_t* hist_src = ws.histograms + (row * layout.chunks + c_first) * bins;
+  for (int i = threadIdx.x; i < chunk_count * bins; i += kThreads) chunk_hist[i] = __ldcg(hist_src + i);
+  __syncthreads();
+  for (int v = threadIdx.x; v < bins; v += kThreads) {
     int32_t total = 0;
-    for (int64_t c = 0; c < chunks; ++c) total += hist_base[c * bins + v];
+    for (int c = 0; c < chunk_count; ++c) total += chunk_hist[c * bins + v];
     histogram[v] = total;
   }
   __syncthreads();
 
-  // Threshold: thread t owns the t-th segment of bins counted from the top, so an exclusive
+  // 2. Threshold: thread t owns the t-th segment of bins counted from the top, so an exclusive
   // scan over threads gives the number of candidates scoring above its segment.
-  const int64_t per_thread = ceil_div(bins, kThreads);
-  const int64_t hi = bins - int64_t(threadIdx.x) * per_thread;  // segment is [lo, hi)
-  const int64_t lo = max64(hi - per_thread, 0);
-  int64_t segment = 0;
-  for (int64_t v = lo; v < hi; ++v) segment += histogram[v];
-  int64_t total;
-  int64_t above = block_exclusive_scan(hi > 0 ? segment : 0, scan_scratch, total);
-  for (int64_t v = hi - 1; v >= lo; --v) {
-    if (above < m && above + histogram[v] >= m) {
-      found[0] = v;
-      found[1] = above;
+  {
+    const int per_thread = (bins + kThreads - 1) / kThreads;
+    const int seg_hi = bins - static_cast<int>(threadIdx.x) * per_thread;  // segment is [seg_lo, seg_hi)
+    const int seg_lo = max(seg_hi - per_thread, 0);
+    int64_t segment = 0;
+    for (int v = seg_lo; v < seg_hi; ++v) segment += histogram[v];
+    int64_t total;
+    int64_t above = block_exclusive_scan(seg_hi > 0 ? segment : 0, scan_scratch, total);
+    for (int v = seg_hi - 1; v >= seg_lo; --v) {
+      if (above < m && above + histogram[v] >= m) {
+        found[0] = v;
+        found[1] = above;
+      }
+      above += histogram[v];
     }
-    above += histogram[v];
   }
   __syncthreads();
-  const int64_t threshold = found[0];
+  const int threshold = static_cast<int>(found[0]);
   const int64_t skip = histogram[threshold] - (m - found[1]);  // earliest ties at T are dropped
 
-  // Per chunk: candidates above T and ties at T.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int64_t c = warp; c < chunks; c += kWarps) {
-    const int32_t* h = hist_base + c * bins;
-    int32_t better = 0;
-    for (int64_t v = threshold + 1 + lane; v < bins; v += 32) better += h[v];
+  // 3. Entries better than T and ties at T in the chunks before this one.
+  int64_t packed = 0;  // better << 32 | ties, summed over this thread's counters
+  for (int i = threadIdx.x; i < own * bins; i += kThreads) {
+    const int v = i % bins;
+    if (v > threshold) packed += int64_t(chunk_hist[i]) << 32;
+    if (v == threshold) packed += chunk_hist[i];
+  }
+  int64_t before_total;
+  block_exclusive_scan(packed, scan_scratch, before_total);
+  const int64_t better_before = before_total >> 32, ties_before = before_total & 0xffffffffll;
+  const int64_t own_ties = chunk_hist[own * bins + threshold];
+  const int64_t chunk_skip = min64(max64(skip - ties_before, 0), own_ties);
+  out += better_before + max64(ties_before - skip, 0);
+
+  // 4. Ordered compaction of the chunk, one contiguous run of 4-position groups per warp.
+  src.prepare(b, s, l, q_words);  // ends with a barrier
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t first_group = (lo - base) >> 2, end_group = ((hi - 1 - base) >> 2) + 1;
+  const int64_t per_warp = ceil_div(ceil_div(end_group - first_group, int64_t(kWarps)), int64_t(32)) * 32;
+  const int64_t seg_begin = min64(first_group + warp * per_warp, end_group);
+  const int64_t seg_end = min64(seg_begin + per_warp, end_group);
+  const auto flags_of = [&](int64_t g, int (&f)[4]) {
+    int32_t score[4];
+    if (g < seg_end) {
+      src.score4(base + 4 * g, lo, hi, score);
+    } else {
+      score[0] = score[1] = score[2] = score[3] = -1;
+    }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) better += __shfl_xor_sync(0xffffffffu, better, offset);
-    if (lane == 0) {
-      chunk_better[c] = better;
-      chunk_ties[c] = h[threshold];
+    for (int j = 0; j < 4; ++j) f[j] = score[j] > threshold ? 2 : (score[j] == threshold ? 1 : 0);
+  };
+  unsigned better = 0, ties = 0;
+  for (int64_t g = seg_begin + lane; g < seg_end; g += 32) {
+    int f[4];
+    flags_of(g, f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      better += f[j] == 2;
+      ties += f[j] == 1;
     }
   }
+  better = __reduce_add_sync(0xffffffffu, better);
+  ties = __reduce_add_sync(0xffffffffu, ties);
+  if (lane == 0) {
+    segment_counts[warp][0] = static_cast<int32_t>(better);
+    segment_counts[warp][1] = static_cast<int32_t>(ties);
+  }
   __syncthreads();
-
-  // Exclusive scans over chunks (each thread a contiguous run of chunks): ties before each
-  // chunk give its ties to skip, selected entries before it give its output offset.
-  const int64_t per = ceil_div(chunks, kThreads);
-  const int64_t c0 = min64(int64_t(threadIdx.x) * per, chunks), c1 = min64(c0 + per, chunks);
-  int64_t ties_sum = 0;
-  for (int64_t c = c0; c < c1; ++c) ties_sum += chunk_ties[c];
-  int64_t ties_before = block_exclusive_scan(ties_sum, scan_scratch, total);
-  int64_t selected_sum = 0;
-  for (int64_t c = c0; c < c1; ++c) {
-    const int64_t ties = chunk_ties[c];
-    const int64_t chunk_skip = min64(max64(skip - ties_before, 0), ties);
-    ties_before += ties;
-    chunk_ties[c] = static_cast<int32_t>(chunk_skip);  // reuse: now the chunk's ties to skip
-    chunk_better[c] += static_cast<int32_t>(ties - chunk_skip);  // now the chunk's selected count
-    selected_sum += chunk_better[c];
+  int64_t better_run = 0, ties_run = 0;  // entries of this chunk before the current warp tile
+  for (int k = 0; k < warp; ++k) {
+    better_run += segment_counts[k][0];
+    ties_run += segment_counts[k][1];
   }
-  int64_t selected_before = block_exclusive_scan(selected_sum, scan_scratch, total);
-  const int64_t sink_count = w.sink_end - w.start;
-  int32_t* chunk_info = ws.chunk_info + row * layout.chunks * 2;
-  for (int64_t c = c0; c < c1; ++c) {
-    chunk_info[2 * c] = static_cast<int32_t>(sink_count + selected_before);
-    chunk_info[2 * c + 1] = chunk_ties[c];
-    selected_before += chunk_better[c];
+  for (int64_t tile = seg_begin; tile < seg_end; tile += 32) {  // uniform trip count in the warp
+    int f[4];
+    flags_of(tile + lane, f);
+    int own_better = 0, own_ties_count = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      own_better += f[j] == 2;
+      own_ties_count += f[j] == 1;
+    }
+    // Lanes hold consecutive groups, so position order is (lane, j): an exclusive scan over
+    // lanes of (better | ties << 16) orders the entries of the tile.
+    const int mine = own_better | (own_ties_count << 16);
+    int inclusive = mine;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    const int tile_total = __shfl_sync(0xffffffffu, inclusive, 31);
+    if (mine != 0) {
+      const int exclusive = inclusive - mine;
+      int64_t better_before_entry = better_run + (exclusive & 0xffff);
+      int64_t ties_before_entry = ties_run + (exclusive >> 16);
+      const int64_t position = base + 4 * (tile + lane);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (f[j] == 2) {
+          out[better_before_entry + max64(ties_before_entry - chunk_skip, 0)] = static_cast<int32_t>(position + j);
+          ++better_before_entry;
+        } else if (f[j] == 1) {
+          if (ties_before_entry >= chunk_skip) {
+            out[better_before_entry + ties_before_entry - chunk_skip] = static_cast<int32_t>(position + j);
+          }
+          ++ties_before_entry;
+        }
+      }
+    }
+    better_run += tile_total & 0xffff;
+    ties_run += tile_total >> 16;
   }
-  if (threadIdx.x == 0) {
-    info[0] = kPartial;
-    info[1] = static_cast<int32_t>(threshold);
-  }
-}
-
-// ---- fast path, kernel 3: ordered compaction per chunk --------------------------------------
-__global__ void __launch_bounds__(kThreads)
-    hamming_compact_kernel(SelectionParams p, HammingSource src, ChunkLayout layout, FastWorkspace ws) {
-  extern __shared__ int32_t smem[];
-  __shared__ int table[kItems * kWarps];
-  const int64_t row = blockIdx.x, chunk = blockIdx.y;
-  int64_t b, s, l;
-  row_coordinates(p, row, b, s, l);
-  const RowWindow w = p.window(b, l);
-  const int64_t n = w.candidates();
-  const int64_t begin = chunk * layout.chunk;
-  if (w.heavy_budget == 0 || begin >= n) return;
-  const int64_t size = min(layout.chunk, n - begin);
-  int32_t* out = p.indices + row * p.width;
-  const int64_t first = w.sink_end + begin;
-  const int64_t sink_count = w.sink_end - w.start;
-  if (w.heavy_budget == n) {  // every candidate is kept: no scores needed
-    for (int64_t i = threadIdx.x; i < size; i += kThreads) out[sink_count + begin + i] = static_cast<int32_t>(first + i);
-    return;
-  }
-  const int32_t* info = ws.chunk_info + (row * layout.chunks + chunk) * 2;
-  const int64_t offset = info[0], skip = info[1];
-  const int32_t threshold = ws.row_info[row * 2 + 1];
-  src.prepare(b, s, l, smem);
-  ordered_compact<kItems>(
-      size,
-      [&](int64_t i) {
-        const int32_t score = src.score(first + i);
-        return score > threshold ? 2 : (score == threshold ? 1 : 0);
-      },
-      skip, out + offset, first, table);
 }
 
 // ---- generic path: one block per row, radix select ------------------------------------------
@@ -318,37 +386,48 @@ SelectionParams make_params(const std::optional<at::Tensor>& lengths, const std:
   return p;
 }
 
-// Chunking from shapes only (never from lengths): about 4 blocks per multiprocessor in all.
-ChunkLayout choose_layout(int64_t keys, int64_t row_count, int64_t bins) {
+// Chunking from shapes only (never from lengths): about 4 blocks per multiprocessor in all, and
+// at most kHistogramInts counters per row so that every compaction block can read them all.
+ChunkLayout choose_layout(int64_t keys, int64_t row_count, int bins) {
   const int64_t target_blocks = 4 * int64_t(multiprocessor_count());
   int64_t chunks = std::max<int64_t>(1, ceil_div(target_blocks, row_count));
-  chunks = std::min(chunks, std::max<int64_t>(1, ceil_div(keys, kTile)));
-  int64_t chunk = std::max<int64_t>(kTile, ceil_div(ceil_div(keys, chunks), kTile) * kTile);
-  if (ceil_div(keys, chunk) > kMaxChunks) chunk = ceil_div(ceil_div(keys, kMaxChunks), kTile) * kTile;
-  chunks = std::max<int64_t>(1, ceil_div(keys, chunk));
-  return ChunkLayout{chunk, chunks, bins};
+  chunks = std::min(chunks, std::max<int64_t>(1, kHistogramInts / bins));
+  chunks = std::min(chunks, std::max<int64_t>(1, ceil_div(keys, kChunkQuantum)));
+  const int64_t chunk = ceil_div(ceil_div(keys, chunks), kChunkQuantum) * kChunkQuantum;
+  return ChunkLayout{chunk, ceil_div(keys, chunk), bins};
+}
+
+template <int kMode>
+void launch_histogram(const dim3& grid, size_t smem, cudaStream_t stream, const SelectionParams& p,
+                      const HammingSource& src, const ChunkLayout& layout, const FastWorkspace& ws) {
+  hamming_histogram_kernel<kMode><<<grid, kThreads, smem, stream>>>(p, src, layout, ws);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_fast_path(const SelectionParams& p, const HammingSource& src, int64_t row_count,
                       const at::Tensor& like) {
   const ChunkLayout layout = choose_layout(p.keys, row_count, src.words * src.group * 32 + 1);
-  const int64_t hist_ints = row_count * layout.chunks * layout.bins;
-  const int64_t info_ints = row_count * layout.chunks * 2;
-  at::Tensor workspace = at::empty({hist_ints + info_ints + row_count * 2}, like.options().dtype(at::kInt));
-  FastWorkspace ws{workspace.data_ptr<int32_t>(), workspace.data_ptr<int32_t>() + hist_ints,
-                   workspace.data_ptr<int32_t>() + hist_ints + info_ints};
+  at::Tensor workspace = at::empty({row_count * layout.chunks * layout.bins}, like.options().dtype(at::kInt));
+  const FastWorkspace ws{workspace.data_ptr<int32_t>()};
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(row_count), static_cast<unsigned>(layout.chunks));
   const size_t q_bytes = sizeof(int32_t) * src.group * src.words;
-  const size_t hist_smem = sizeof(int32_t) * layout.bins + q_bytes;
-  const size_t threshold_smem = sizeof(int32_t) * (layout.bins + 2 * layout.chunks);
-  TORCH_CHECK(hist_smem <= 48 * 1024 && threshold_smem <= 48 * 1024,
+  const int bins = layout.bins;
+  const int mode = bins <= kPerThreadMaxBins ? kPerThread : (bins <= kPerWarpMaxBins ? kPerWarp : kPerBlock);
+  const int counters = mode == kPerThread ? bins * kThreads : (mode == kPerWarp ? bins * kWarps : bins);
+  const size_t hist_smem = sizeof(int32_t) * counters + q_bytes;
+  const int64_t row_hist_ints = layout.chunks * bins + bins;  // the row's chunk histograms and their sum
+  const size_t compact_smem = q_bytes + sizeof(int32_t) * row_hist_ints;
+  TORCH_CHECK(hist_smem <= 48 * 1024 && compact_smem <= 48 * 1024,
               "hamming_topk: internal shared-memory budget exceeded");
-  hamming_histogram_kernel<<<grid, kThreads, hist_smem, stream>>>(p, src, layout, ws);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  hamming_threshold_kernel<<<static_cast<unsigned>(row_count), kThreads, threshold_smem, stream>>>(p, layout, ws);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  hamming_compact_kernel<<<grid, kThreads, q_bytes, stream>>>(p, src, layout, ws);
+  if (mode == kPerThread) {
+    launch_histogram<kPerThread>(grid, hist_smem, stream, p, src, layout, ws);
+  } else if (mode == kPerWarp) {
+    launch_histogram<kPerWarp>(grid, hist_smem, stream, p, src, layout, ws);
+  } else {
+    launch_histogram<kPerBlock>(grid, hist_smem, stream, p, src, layout, ws);
+  }
+  hamming_compact_kernel<<<grid, kThreads, compact_smem, stream>>>(p, src, layout, ws);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -389,6 +468,10 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cuda(const at::Tensor& query_sig
   src.per_key = static_cast<int>(dims.query_heads_per_key_head());
   // All query heads of a group read one key head when the group lies inside one key head's span.
   src.shared_key_head = (src.per_key % src.group == 0) ? 1 : 0;
+  src.vector_keys = (src.words == 1 && src.shared_key_head && k.stride(2) == 1 && k.stride(1) % 4 == 0 &&
+                     k.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0)
+                        ? 1
+                        : 0;
 
   if (dims.max_score() + 1 <= kFastBins) {
     launch_fast_path(p, src, row_count, query_signatures);

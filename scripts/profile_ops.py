@@ -1,0 +1,110 @@
+"""Per-kernel GPU times of one decode step's ops (selection and sparse attention), from torch.profiler.
+
+The decode benchmark (scripts/bench_decode.py) times whole graph replays; this script says where
+that time goes: each CUDA kernel (and memset) that hamming_topk and sparse_attention launch, its
+mean duration over the profiled steps, and the gap between launches that a graph replay pays.
+
+    python scripts/profile_ops.py                      # Llama-3.1-8B layer shapes, B = 1, 32x
+    python scripts/profile_ops.py --n 32768 131072 --sparsity 32 --selection query_head kv_group
+
+Shapes follow bench_decode.py: 32 query heads, 8 KV heads, D = 128, bf16, sink = local = 128,
+one signature word (32 bits) per head. Prints one table per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hashattention as ha  # noqa: E402
+
+QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[32768, 131072, 524288])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--sparsity", type=int, nargs="+", default=[32])
+    parser.add_argument("--selection", nargs="+", default=["query_head", "kv_group"],
+                        choices=("query_head", "kv_group"))
+    parser.add_argument("--steps", type=int, default=20, help="profiled graph replays")
+    return parser.parse_args()
+
+
+def build_step(n: int, batch: int, sparsity: int, selection: str):
+    """Inputs and a closure running select + attend once (what one layer's decode step launches)."""
+    device = "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    sig_heads = QUERY_HEADS if selection == "query_head" else KV_HEADS
+    selection_heads = QUERY_HEADS if selection == "query_head" else KV_HEADS
+    q_sig = torch.randint(-2**31, 2**31 - 1, (batch, sig_heads, 1, 1), generator=g, device=device, dtype=torch.int32)
+    k_sig = torch.randint(-2**31, 2**31 - 1, (batch, KV_HEADS, n, 1), generator=g, device=device, dtype=torch.int32)
+    query = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+    keys = torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+    values = torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+    budget = max(n // sparsity - SINK - LOCAL, 0)
+
+    def step():
+        indices, counts = ha.hamming_topk(q_sig, k_sig, selection_heads=selection_heads, sink_tokens=SINK,
+                                          local_tokens=LOCAL, budget_tokens=budget)
+        return ha.sparse_attention(query, keys, values, indices, counts, scale=HEAD_DIM**-0.5)
+
+    return step
+
+
+def profile(step, steps: int):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_us = 1e3 * start.elapsed_time(end) / steps
+
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals, calls = collections.defaultdict(float), collections.defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.split("(")[0].split("<")[0].replace("void ", "")[-60:]
+            totals[name] += event.device_time if hasattr(event, "device_time") else event.cuda_time
+            calls[name] += 1
+    return replay_us, {name: (totals[name] / steps, calls[name] / steps) for name in totals}
+
+
+def main():
+    args = parse_args()
+    if not (torch.cuda.is_available() and ha.WITH_CUDA):
+        sys.exit("profile_ops.py needs a GPU and the extension built with its CUDA kernels")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    for selection in args.selection:
+        for sparsity in args.sparsity:
+            for n in args.n:
+                replay_us, kernels = profile(build_step(n, args.batch, sparsity, selection), args.steps)
+                busy = sum(t for t, _ in kernels.values())
+                print(f"\n{selection}, B={args.batch}, n={n}, {sparsity}x: graph replay {replay_us:.1f} us, "
+                      f"kernels busy {busy:.1f} us, launch gaps {replay_us - busy:.1f} us")
+                for name, (us, per_step) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+                    print(f"  {us:8.1f} us  x{per_step:.0f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
