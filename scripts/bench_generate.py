@@ -1,0 +1,995 @@
+"""End-to-end decode throughput: a Llama-3.1-8B-shaped model, dense vs HashAttention, StaticCache + CUDA graphs.
+
+A model with the Llama-3.1-8B architecture (32 layers, hidden 4096, 32 query / 8 KV heads, head_dim
+128, vocab 128256, llama3 RoPE) and random bf16 weights is built directly on the GPU (nothing is
+downloaded; decode throughput does not depend on the weight values). For every context length n
+and batch size B of the grid ("cell") it
+
+1. fills one ``StaticCache`` of ``n + steps`` slots with n keys/values per sequence, once:
+   ``--fill random`` writes Gaussian K/V with the standard deviation this random model's k_proj
+   gives (``initializer_range * sqrt(hidden)``); ``--fill prefill`` runs a real chunked prefill of
+   random tokens (``--prefill-chunk`` tokens per forward, ``logits_to_keep=1``) and times it;
+2. encodes the key signatures of the n cached keys with the adapters' key MLPs (one buffer per
+   adapter family: per-query-head keys for ``query_head`` selection, per-KV-head keys for
+   ``kv_group``), timed: the prefill-time cost of HashAttention's signatures;
+3. per method, compiles the decode step (``torch.compile(model.forward, mode="reduce-overhead",
+   fullgraph=True)``), warms up (graph recording), rewinds the cache to n and times ``steps``
+   greedy decode steps (argmax on the device fed back as a tensor; one synchronisation at the end).
+   Every method decodes the same positions n .. n+steps-1 from the same cache and first token.
+
+Methods: ``dense`` -- exact attention over the valid prefix through the fastest SDPA backend
+that passes a float32 check on the real cache in this cell (``--dense-backend``; candidates:
+``flash-varlen`` = FlashAttention-2 with per-sequence used lengths, attends exactly the written
+keys; ``sdpa-cudnn`` / ``sdpa-efficient`` / ``sdpa-math`` = SDPA over the ``n + steps`` slots with the
+boolean mask); ``dense-hf`` -- transformers' own ``sdpa`` path (repeats K/V for GQA under a mask;
+for reference); ``hash-<selection>-<sparsity>`` -- ``hashattention.patch`` with random adapters
+(``hash-query_head-32``, ``hash-kv_group-16``, ... ; ``hash-<selection>-full`` = budget of the
+whole cache, which must reproduce dense's greedy tokens).
+
+Attention share of a step: the attention of all layers, run alone on the cell's real cache (one
+decode row per sequence at position n; dense: the chosen backend; HashAttention: query
+signatures + ``hamming_topk`` + ``sparse_attention``, i.e. ``attention.select_and_attend``),
+captured in one CUDA graph and timed by replay, divided by the measured step time.
+
+Results go to ``<out>/bench_generate_<YYYYMMDD>.json`` and ``.md``, rewritten after every method
+(a run killed by a time limit still leaves them); rows of an earlier run of the same day are kept
+unless re-measured (``--fresh`` starts over). Cells that do not fit in free GPU memory, or that
+would overrun ``--time-budget-s``, are recorded as skipped with the reason.
+
+    python scripts/bench_generate.py --contexts 131072 --batches 1,4 --out benchmarks/results
+    python scripts/bench_generate.py --tiny --device cpu --compile none --contexts 96 --batches 1,2 --steps 4 \\
+        --sink 4 --local 4 --methods dense,hash-query_head-full,hash-query_head-32 --out /tmp/bg
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DEFAULT_METHODS = "dense,hash-query_head-32,hash-query_head-16,hash-kv_group-32,hash-kv_group-16"
+DENSE_ATTENTION_NAME = "bench_dense"
+DENSE_CANDIDATES_CUDA = ("flash-varlen", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+SDPA_FLAGS = {  # backend -> (flash, mem_efficient, math, cudnn) enabled
+    "sdpa-cudnn": (False, False, False, True),
+    "sdpa-efficient": (False, True, False, False),
+    "sdpa-math": (False, False, True, False),
+}
+TARGETS = ((1, 131072, "hash-query_head-32", 1.7), (4, 131072, "hash-query_head-32", 2.5))
+
+
+# ---- arguments and methods --------------------------------------------------------------------------
+
+def int_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", type=int_list, default=[32768, 65536, 131072], help="n, comma-separated")
+    parser.add_argument("--batches", type=int_list, default=[1, 4], help="B, comma-separated")
+    parser.add_argument("--steps", type=int, default=128, help="timed decode steps per method")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compile + CUDA-graph recording)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help="comma-separated: dense, dense-hf, hash-<query_head|kv_group>-<sparsity|full>")
+    parser.add_argument("--compile", choices=("reduce-overhead", "cudagraphs", "none"), default="reduce-overhead",
+                        help="reduce-overhead: inductor + CUDA graphs; cudagraphs: CUDA graphs without inductor "
+                             "(fast compile); none: eager (CPU smoke tests)")
+    parser.add_argument("--fill", choices=("random", "prefill"), default="random")
+    parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument("--dense-backend", default="auto", choices=("auto",) + DENSE_CANDIDATES_CUDA,
+                        help="dense decode attention; auto = fastest candidate that passes the float32 check")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; tiny: 2)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (CPU smoke tests)")
+    parser.add_argument("--sink", type=int, default=128)
+    parser.add_argument("--local", type=int, default=128)
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                        help="default bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--fresh", action="store_true", help="do not keep rows of an earlier run of the same day")
+    parser.add_argument("--time-budget-s", type=float, default=540.0,
+                        help="skip (and record) what would end after this many seconds from the start")
+    parser.add_argument("--no-attention-share", action="store_true", help="skip the per-layer attention timing")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.method_specs = [parse_method(name) for name in args.methods.split(",") if name.strip()]
+    if not args.method_specs:
+        parser.error("--methods is empty")
+    for name in ("steps", "warmup", "prefill-chunk"):
+        if getattr(args, name.replace("-", "_")) < (1 if name != "warmup" else 0):
+            parser.error(f"--{name} must be positive")
+    return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str                        # "dense", "dense-hf" or "hash"
+    selection: Optional[str] = None  # "query_head" or "kv_group"
+    sparsity: Optional[float] = None  # None with full=True
+    full: bool = False
+
+    @property
+    def family(self) -> Optional[str]:
+        """Key-signature family: per-query-head keys for query_head selection, per-KV-head for kv_group."""
+        return None if self.kind != "hash" else ("query" if self.selection == "query_head" else "kv")
+
+
+def parse_method(name: str) -> Method:
+    name = name.strip()
+    if name in ("dense", "dense-hf"):
+        return Method(name, name)
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "hash" and parts[1] in ("query_head", "kv_group"):
+        if parts[2] == "full":
+            return Method(name, "hash", parts[1], None, True)
+        try:
+            sparsity = float(parts[2])
+        except ValueError:
+            sparsity = None
+        if sparsity is not None and sparsity > 1:
+            return Method(name, "hash", parts[1], sparsity)
+    raise ValueError(
+        f"--methods: unknown method {name!r}; expected dense, dense-hf or hash-<query_head|kv_group>-<sparsity > 1|full>"
+    )
+
+
+# ---- model --------------------------------------------------------------------------------------------
+
+def model_config(args, max_positions: int):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if args.tiny:
+        shape = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=args.layers or 2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    else:  # Llama-3.1-8B
+        shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers or 32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    return LlamaConfig(**shape, rms_norm_eps=1e-5, rope_parameters=rope, initializer_range=0.02,
+                       max_position_embeddings=max(131072, max_positions), tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=None, pad_token_id=None)
+
+
+def build_model(config, device, dtype):
+    """Random weights created directly on ``device`` in ``dtype`` (no float32 copy on the host)."""
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)  # post_init draws N(0, 0.02) weights on the device
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval().requires_grad_(False)
+    wrong = {str(p.dtype) for p in model.parameters() if p.dtype != dtype}
+    if wrong:
+        raise RuntimeError(f"model parameters were created in {wrong}, expected {dtype}")
+    return model
+
+
+def build_adapters(config, family: str, device, dtype):
+    from hashattention import HashAdapters
+
+    with torch.device(device):
+        adapters = HashAdapters.for_model_config(config, key_heads=family)
+    return adapters.to(dtype=dtype).eval().requires_grad_(False)
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+
+def cell_bytes(config, batch: int, slots: int, element: int, families, args) -> Dict[str, int]:
+    """What a cell allocates beyond the model: K/V, signature buffers and a workspace allowance."""
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    heads = config.num_attention_heads
+    kv = 2 * batch * layers * kv_heads * slots * head_dim * element
+    signatures = {f: batch * layers * (heads if f == "query" else kv_heads) * slots * 4 for f in families}
+    encode_chunk = 8192
+    workspace = batch * heads * encode_chunk * 128 * 4 * 4                       # signature encoding (float32)
+    workspace += batch * heads * slots * 4 * 2                                   # float32 reference of the check
+    if args.fill == "prefill":
+        rows = batch * args.prefill_chunk
+        workspace += rows * (3 * config.intermediate_size + 8 * config.hidden_size) * element
+        workspace += batch * args.prefill_chunk * slots * 3                      # boolean mask (+ float bias)
+    if any(m.kind == "dense-hf" for m in args.method_specs):
+        workspace += 2 * batch * heads * slots * head_dim * element * 2          # repeat_kv of K and V
+    workspace += 2 << 30                                                         # graphs, logits, allocator slack
+    return {"kv": kv, "signatures": signatures, "workspace": workspace,
+            "total": kv + sum(signatures.values()) + workspace}
+
+
+def free_bytes(device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def release(device):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:  # CUDA-graph trees keep their memory pools until reset
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    except Exception:
+        pass
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- timing -------------------------------------------------------------------------------------------
+
+class Timer:
+    """Elapsed seconds of a region: CUDA events (one sync at the end) on GPU, perf_counter on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def time_replays(fn, device, repeats: int = 10) -> float:
+    """Seconds per call of ``fn`` (a whole decode step's attention): CUDA-graph replays, eager if capture fails."""
+    if device.type != "cuda":
+        fn()
+        with Timer(device) as t:
+            for _ in range(repeats):
+                fn()
+        return t.seconds / repeats
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on a side stream, as graph capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception:  # a backend that cannot be captured is timed by eager launches
+        torch.cuda.synchronize()
+        run = fn
+    run()
+    with Timer(device) as t:
+        for _ in range(repeats):
+            run()
+    del run
+    return t.seconds / repeats
+
+
+# ---- dense attention (valid prefix, verified backend) ------------------------------------------------
+
+DENSE_STATE = {"decode": "sdpa-math", "prefill": "sdpa-math"}
+
+
+@contextlib.contextmanager
+def sdpa_backend(name: str, device):
+    """Enable only ``name``'s SDPA backend (the choice is made when the graph is traced, so it spans the run)."""
+    if device.type != "cuda" or name not in SDPA_FLAGS:
+        yield
+        return
+    b = torch.backends.cuda
+    saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
+    flags = SDPA_FLAGS[name]
+    for setter, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp, b.enable_cudnn_sdp), flags):
+        setter(on)
+    try:
+        yield
+    finally:
+        for setter, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp, b.enable_cudnn_sdp),
+                              saved):
+            setter(on)
+
+
+def flash_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
+    """FlashAttention-2 varlen forward (torch's bundled copy): packed q ``(Tq, H, D)``, k/v ``(Tk, Hk, D)``."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used_k
+    )[0]
+
+
+def flash_varlen(query, key, value, lengths, scale, causal):
+    """Exact attention over the first ``lengths[b]`` slots of each sequence of an HF-layout static cache.
+
+    query ``(B, Hq, L, D)``; key/value ``(B, Hkv, M, D)`` contiguous, read in place: each (sequence,
+    KV head) pair is one varlen "sequence" of M tokens with one KV head and the ``Hq / Hkv`` query heads
+    of its group (``key.view(B * Hkv * M, 1, D)``: no copy), of which ``seqused_k = lengths[b]`` are
+    used; causal is bottom-right aligned to that length. ``lengths``: int32 ``(B,)`` on the device.
+    Returns ``(B, L, Hq, D)``.
+    """
+    batch, heads, rows, dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    pairs = batch * kv_heads
+    k = key.reshape(pairs * slots, 1, dim)
+    v = value.reshape(pairs * slots, 1, dim)
+    q = query.reshape(batch, kv_heads, group, rows, dim).transpose(2, 3).reshape(pairs * rows, group, dim)
+    steps = torch.arange(pairs + 1, dtype=torch.int32, device=query.device)
+    used = lengths.to(torch.int32).repeat_interleave(kv_heads)
+    out = FLASH_KERNEL(q, k, v, steps * rows, steps * slots, rows, slots, causal, scale, used)
+    return out.reshape(batch, kv_heads, rows, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, rows, heads, dim)
+
+
+FLASH_KERNEL = flash_kernel  # replaceable by a plain-PyTorch emulation in the CPU test
+
+
+def dense_core(backend, query, key, value, mask, position_ids, scale):
+    """Exact attention of ``query`` rows (positions ``position_ids``, no left padding) over the cache. -> (B, L, Hq, D)."""
+    if backend == "flash-varlen":
+        lengths = (position_ids[:, -1] + 1).to(torch.int32)
+        return flash_varlen(query, key, value, lengths, scale, causal=query.shape[2] > 1)
+    if mask is None:  # transformers skipped the mask: a prefill from position 0 without padding
+        rows = query.shape[2]
+        out = F.scaled_dot_product_attention(query, key[:, :, :rows], value[:, :, :rows], is_causal=rows > 1,
+                                             scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def dense_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function ``"bench_dense"``: :func:`dense_core` with the backend chosen for the cell."""
+    backend = DENSE_STATE["decode" if query.shape[2] == 1 else "prefill"]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = dense_core(backend, query, key, value, attention_mask, kwargs.get("position_ids"), scale)
+    return out.contiguous(), None
+
+
+def register_dense_attention():
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(DENSE_ATTENTION_NAME, dense_attention_forward)
+    AttentionMaskInterface.register(DENSE_ATTENTION_NAME, sdpa_mask)
+
+
+def reference_attention(query, key, value, valid: int, rows: int):
+    """float32 attention of the last ``rows`` positions ending at ``valid`` (causal), per KV head. -> (B, L, Hq, D)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    out = torch.empty(batch, rows, heads, dim, dtype=torch.float32, device=query.device)
+    positions = torch.arange(valid - rows, valid, device=query.device)
+    allowed = torch.arange(valid, device=query.device)[None, :] <= positions[:, None]       # (L, valid)
+    for b in range(batch):
+        for h in range(kv_heads):
+            k = key[b, h, :valid].float()
+            v = value[b, h, :valid].float()
+            q = query[b, h * group:(h + 1) * group].float()                                  # (G, L, D)
+            scores = (q @ k.T) * dim ** -0.5
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out[b, :, h * group:(h + 1) * group] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def check_dense_backends(cache, config, valid: int, device, dtype, candidates, rows: int = 1, time_it=True):
+    """Run each candidate on layer 0 of the real cache against a float32 reference; time the passing ones.
+
+    Returns a list of dicts: backend, ok, error (relative), reason, attention_s_per_step (all layers).
+    """
+    layer = cache.layers[0]
+    batch = layer.keys.shape[0]
+    slots = layer.keys.shape[2]
+    g = torch.Generator(device=device).manual_seed(5)
+    query = torch.randn(batch, config.num_attention_heads, rows, config.head_dim, generator=g, device=device,
+                        dtype=dtype) * 1.3
+    position_ids = torch.arange(valid - rows, valid, device=device)[None].expand(batch, rows)
+    mask = (torch.arange(slots, device=device)[None, :] <= position_ids[0][:, None])[None, None].expand(
+        batch, 1, rows, slots).contiguous()
+    want = reference_attention(query, layer.keys, layer.values, valid, rows)
+    results = []
+    for backend in candidates:
+        if backend == "sdpa-math" and len(candidates) > 1 and any(r["ok"] for r in results):
+            continue  # the fallback: only needed (and only worth its K/V copies) when nothing else passed
+        entry = {"backend": backend, "rows": rows}
+        try:
+            with sdpa_backend(backend, device):
+                got = dense_core(backend, query, layer.keys, layer.values, mask, position_ids, config.head_dim ** -0.5)
+                err = float((got.float() - want).norm() / want.norm().clamp_min(1e-12))
+                entry["relative_error"] = err
+                entry["ok"] = bool(math.isfinite(err) and err < 2e-2)
+                if entry["ok"] and time_it:
+                    layers = cache.layers
+
+                    def all_layers():
+                        for lay in layers:
+                            dense_core(backend, query, lay.keys, lay.values, mask, position_ids,
+                                       config.head_dim ** -0.5)
+
+                    entry["attention_s_per_step"] = time_replays(all_layers, device)
+        except Exception as error:  # a backend that refuses the shape is reported and skipped
+            entry["ok"] = False
+            entry["reason"] = f"{type(error).__name__}: {str(error)[:300]}"
+        results.append(entry)
+        print(f"    dense check {backend} rows={rows}: "
+              + (f"ok, rel. error {entry['relative_error']:.1e}" if entry.get("ok") else
+                 f"rejected ({entry.get('reason') or 'rel. error %.1e' % entry.get('relative_error', float('nan'))})")
+              + (f", all-layer attention {1e3 * entry['attention_s_per_step']:.3f} ms"
+                 if "attention_s_per_step" in entry else ""), flush=True)
+    return results
+
+
+# ---- cache fill and signatures ------------------------------------------------------------------------
+
+def new_static_cache(model, batch: int, slots: int, device, dtype):
+    """A StaticCache whose layers are allocated now (zeros) and marked static."""
+    from transformers import StaticCache
+
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=slots)
+    dummy = torch.zeros(batch, config.num_key_value_heads, 1, config.head_dim, device=device, dtype=dtype)
+    for layer in cache.layers:
+        layer.lazy_initialization(dummy, dummy)
+    return cache
+
+
+def fill_random(cache, valid: int, std: float, seed: int):
+    g = torch.Generator(device=cache.layers[0].keys.device).manual_seed(seed)
+    for layer in cache.layers:
+        for buffer in (layer.keys, layer.values):
+            part = buffer[:, :, :valid]
+            part.normal_(0.0, std, generator=g)
+        layer.cumulative_length.fill_(valid)
+
+
+def fill_prefill(model, cache, batch: int, valid: int, chunk: int, device, seed: int):
+    """Chunked prefill of random tokens; returns (seconds, first decode token (B, 1))."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, valid), generator=g, device=device)
+    slots = cache.layers[0].keys.shape[2]
+    full_mask = torch.ones(batch, slots, dtype=torch.long, device=device)
+    with Timer(device) as t:
+        for start in range(0, valid, chunk):
+            end = min(valid, start + chunk)
+            positions = torch.arange(start, end, device=device)[None].expand(batch, -1)
+            out = model(input_ids=ids[:, start:end], attention_mask=full_mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            del out
+    return t.seconds, token
+
+
+def attach_signatures(model, base_cache, adapters, valid: int, device, chunk: int = 8192):
+    """A cache of SignatureStaticLayers sharing ``base_cache``'s K/V and lengths, with the first ``valid`` keys encoded.
+
+    What ``hashattention.cache.to_signature_layer`` does for a static layer, but encoding in chunks of
+    ``chunk`` keys (bounded float32 workspace) and only the written keys. Returns (cache, encode seconds).
+    """
+    from transformers import StaticCache
+
+    from hashattention.cache import SignatureStaticLayer
+
+    base = base_cache.layers[0]
+    cache = StaticCache(config=model.config, max_cache_len=base.max_cache_len)
+    layers = []
+    for index, source in enumerate(base_cache.layers):
+        layer = SignatureStaticLayer(source.max_cache_len, adapters[index])
+        for name in ("dtype", "device", "batch_size", "num_heads", "k_head_dim", "v_head_dim"):
+            setattr(layer, name, getattr(source, name))
+        layer.keys, layer.values, layer.cumulative_length = source.keys, source.values, source.cumulative_length
+        layer.key_signatures = torch.zeros(
+            (source.batch_size, adapters.config.num_key_signature_heads, source.max_cache_len, adapters.config.words),
+            dtype=torch.int32, device=device)
+        torch._dynamo.mark_static_address(layer.key_signatures)
+        layer.is_initialized = True
+        layers.append(layer)
+    with Timer(device) as t:
+        for index, layer in enumerate(layers):
+            for start in range(0, valid, chunk):
+                end = min(valid, start + chunk)
+                layer.key_signatures[:, :, start:end] = adapters[index].key_signatures(
+                    layer.keys[:, :, start:end].contiguous())
+    cache.layers = layers
+    return cache, t.seconds
+
+
+def rewind(cache, valid: int):
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(valid)
+
+
+# ---- one method ---------------------------------------------------------------------------------------
+
+def hash_config(method: Method, args, slots: int):
+    from hashattention.config import HashAttentionConfig
+
+    common = dict(sink_tokens=args.sink, local_tokens=args.local, selection=method.selection, sparse_prompt_tokens=0)
+    if method.full:
+        return HashAttentionConfig(budget_tokens=max(slots, args.sink + args.local), **common)
+    return HashAttentionConfig(sparsity=method.sparsity, **common)
+
+
+def make_forward(model, mode: str):
+    if mode == "reduce-overhead":
+        return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    if mode == "cudagraphs":
+        return torch.compile(model.forward, backend="cudagraphs", fullgraph=True)
+    return model.forward
+
+
+def decode(forward, cache, first_token, start: int, steps: int, full_mask, device, mark_steps: bool):
+    """``steps`` greedy steps from position ``start``; returns the (B, steps) tokens tensor (on the device)."""
+    batch = first_token.shape[0]
+    token = first_token
+    positions = torch.full((batch, 1), start, dtype=torch.long, device=device)
+    chosen = []
+    for _ in range(steps):
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = forward(input_ids=token, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
+                      use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        chosen.append(token)
+        positions = positions + 1
+    return torch.cat(chosen, dim=1)
+
+
+def compile_counters():
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
+        "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+    }
+
+
+def run_method(method: Method, model, cache, first_token, valid: int, args, device):
+    """Compile, warm up, rewind and time ``args.steps`` decode steps. Returns the measurements."""
+    from torch._dynamo.utils import counters
+
+    slots = cache.layers[0].keys.shape[2]
+    batch = first_token.shape[0]
+    full_mask = torch.ones(batch, slots, dtype=torch.long, device=device)
+    torch._dynamo.reset()
+    counters.clear()
+    forward = make_forward(model, args.compile)
+    mark = args.compile != "none" and device.type == "cuda"
+    result = {}
+    with torch.no_grad():
+        rewind(cache, valid)
+        warm_times = []
+        for step in range(args.warmup):
+            with Timer(device) as t:
+                decode(forward, cache, first_token, valid + step, 1, full_mask, device, mark)
+            warm_times.append(t.seconds)
+            if step == 0:
+                print(f"    first call (compile + run): {warm_times[0]:.1f} s", flush=True)
+        result["compile_s"] = warm_times[0] if warm_times else None
+        result["warmup_s"] = warm_times
+        rewind(cache, valid)
+        with Timer(device) as t:
+            tokens = decode(forward, cache, first_token, valid, args.steps, full_mask, device, mark)
+        result.update(compile_counters())
+    result["decode_s"] = t.seconds
+    result["ms_per_step"] = 1e3 * t.seconds / args.steps
+    result["tokens_per_s"] = batch * args.steps / t.seconds
+    result["generated_tokens"] = tokens.cpu().tolist()
+    del forward
+    return result
+
+
+def hash_attention_per_step(model, cache, adapters, config, valid: int, device, dtype):
+    """Seconds of all layers' HashAttention decode attention (encode query + select + attend), alone."""
+    from hashattention.attention import LayerRuntime, select_and_attend
+
+    mconf = model.config
+    batch = cache.layers[0].keys.shape[0]
+    selection_heads = mconf.num_attention_heads if config.selection == "query_head" else mconf.num_key_value_heads
+    runtimes = [LayerRuntime(adapter=adapters[i], config=config, selection_heads=selection_heads)
+                for i in range(len(cache.layers))]
+    g = torch.Generator(device=device).manual_seed(7)
+    query = torch.randn(batch, mconf.num_attention_heads, 1, mconf.head_dim, generator=g, device=device,
+                        dtype=dtype) * 1.3
+    starts = torch.zeros(batch, dtype=torch.int32, device=device)
+    lengths = torch.full((batch,), valid, dtype=torch.int32, device=device)
+    scale = mconf.head_dim ** -0.5
+
+    def all_layers():
+        for runtime, layer in zip(runtimes, cache.layers):
+            select_and_attend(runtime, query, layer.keys, layer.values, layer.key_signatures, lengths, starts, scale)
+
+    return time_replays(all_layers, device)
+
+
+# ---- results ------------------------------------------------------------------------------------------
+
+def human_n(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def environment(args, device) -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+        "python": platform.python_version(), "git_commit": commit,
+    }
+
+
+def cell_key(row) -> tuple:
+    return (row["B"], row["n"], row["method"])
+
+
+def load_previous(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def write_results(record: dict, json_path: str, md_path: str) -> None:
+    for path, text in ((json_path, json.dumps(record, indent=1)), (md_path, markdown(record))):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown(record: dict) -> str:
+    rows = sorted(record["rows"], key=lambda r: (r["B"], r["n"], r.get("order", 0)))
+    lines = [
+        "# End-to-end decode throughput: Llama-3.1-8B architecture, random bf16 weights",
+        "",
+        f"- updated: {record['updated_utc']}; device: {record['env']['device']}; torch {record['env']['torch']}, "
+        f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, commit {record['env']['git_commit']}",
+        "- commands (each run merges its rows into this file):",
+        *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}, "
+          f"{run['model']})" for run in record["runs"]],
+        "- tokens/s = B x steps / time of `steps` greedy decode steps (CUDA events, one sync at the end); ratio = "
+        "tokens/s over dense's in the same (B, n); attention share = all layers' attention alone "
+        "(CUDA-graph replay on the cell's cache) / ms per step; KV = K+V bytes of n tokens; signatures = the "
+        "method's key-signature bytes of n tokens.",
+        "",
+        "| B | n | method | tokens/s | ms/step | ratio to dense | attention share | KV GB | signatures MB "
+        "| compile s | graph breaks | cudagraph skips | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | - | - | - | - | - | - | - | - | - | "
+                         f"{r['status']}: {r.get('reason', '')[:160]} |")
+            continue
+        share = r.get("attention_share")
+        notes = []
+        if r.get("dense_backend"):
+            notes.append(f"backend {r['dense_backend']}")
+        if r.get("first_divergence_from_dense") is not None:
+            notes.append(f"tokens = dense for {r['first_divergence_from_dense']} steps")
+        lines.append(
+            f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+            f"{fmt(r.get('ratio_to_dense'), '.2f')}{'x' if r.get('ratio_to_dense') else ''} | "
+            f"{fmt(None if share is None else 100 * share, '.0f')}{'%' if share is not None else ''} | "
+            f"{r['kv_bytes'] / 1e9:.3g} | {r['signature_bytes'] / 1e6:.4g} | {fmt(r.get('compile_s'), '.1f')} | "
+            f"{r.get('graph_breaks', '-')} | {r.get('cudagraph_skips', '-')} | {'; '.join(notes)} |")
+    lines += ["", "## Cache fill per (B, n)", "",
+              "| B | n | fill | fill s | prefill s | signature encode s (per-query-head keys) | (per-KV-head keys) |",
+              "|---|---|---|---|---|---|---|"]
+    for f in sorted(record["fills"], key=lambda f: (f["B"], f["n"])):
+        enc = f.get("encode_s", {})
+        lines.append(f"| {f['B']} | {human_n(f['n'])} | {f['fill']} | {fmt(f.get('fill_s'), '.2f')} | "
+                     f"{fmt(f.get('prefill_s'), '.2f')} | {fmt(enc.get('query'), '.3f')} | {fmt(enc.get('kv'), '.3f')} |")
+    lines += ["", "## Targets (issue 7)", ""]
+    lines += [target_line(record, *t) for t in TARGETS]
+    return "\n".join(lines)
+
+
+def target_line(record, batch, n, method, target) -> str:
+    row = next((r for r in record["rows"] if (r["B"], r["n"], r["method"]) == (batch, n, method)), None)
+    label = f"B = {batch}, {human_n(n)}, {method}: target >= {target}x tokens/s over dense"
+    if row is None or row["status"] != "ok" or row.get("ratio_to_dense") is None:
+        return f"- {label}: **not measured**" + (f" ({row['status']}: {row.get('reason', '')})" if row else "")
+    ratio = row["ratio_to_dense"]
+    if ratio >= target:
+        return f"- {label}: **met**, {ratio:.2f}x ({ratio - target:+.2f}x)"
+    return f"- {label}: **missed**, {ratio:.2f}x, short by {target - ratio:.2f}x ({100 * (1 - ratio / target):.0f}%)"
+
+
+# ---- main loop ----------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    from hashattention.patching import is_patched, patch, unpatch
+
+    started = time.monotonic()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    element = torch.finfo(dtype).bits // 8
+    if args.compile != "none" and device.type != "cuda":
+        raise SystemExit("--compile reduce-overhead/cudagraphs needs a CUDA device; use --compile none on the CPU")
+    torch.manual_seed(args.seed)
+    register_dense_attention()
+
+    today = datetime.datetime.now(datetime.timezone.utc)
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, f"bench_generate_{today:%Y%m%d}.json")
+    md_path = json_path[:-5] + ".md"
+    record = {} if args.fresh else load_previous(json_path)
+    record.setdefault("rows", [])
+    record.setdefault("fills", [])
+    record.setdefault("runs", [])
+    record.setdefault("dense_checks", [])
+    record["env"] = environment(args, device)
+    command = "python " + " ".join(shlex.quote(a) for a in ([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
+    print(f"{command}\n{record['env']}", flush=True)
+
+    max_positions = max(args.contexts) + args.steps + args.warmup + 8
+    config = model_config(args, max_positions)
+    with Timer(device) as t:
+        model = build_model(config, device, dtype)
+    described = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads}/"
+                 f"{config.num_key_value_heads} heads, head_dim {config.head_dim}, vocab {config.vocab_size}, {dtype}")
+    print(f"model built in {t.seconds:.1f} s: {described}", flush=True)
+    run_info = {"command": command, "started_utc": f"{today:%Y-%m-%d %H:%M} UTC", "fill": args.fill,
+                "compile": args.compile, "model": described, "steps": args.steps, "sink": args.sink,
+                "local": args.local, "model_build_s": t.seconds}
+    record["runs"].append(run_info)
+    families = sorted({m.family for m in args.method_specs if m.family})
+    adapters = {f: build_adapters(config, f, device, dtype) for f in families}
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    key_std = config.initializer_range * math.sqrt(config.hidden_size)
+
+    def save(row=None, fill=None, check=None):
+        if row is not None:
+            record["rows"] = [r for r in record["rows"] if cell_key(r) != cell_key(row)] + [row]
+        if fill is not None:
+            record["fills"] = [f for f in record["fills"] if (f["B"], f["n"]) != (fill["B"], fill["n"])] + [fill]
+        if check is not None:
+            record["dense_checks"] = [c for c in record["dense_checks"] if (c["B"], c["n"]) != (check["B"], check["n"])]
+            record["dense_checks"].append(check)
+        record["updated_utc"] = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        write_results(record, json_path, md_path)
+
+    # Prefill needs a multi-row dense backend; check once on a small problem of the model's shapes.
+    if args.fill == "prefill":
+        probe = new_static_cache(model, 1, 1024, device, dtype)
+        fill_random(probe, 1024, key_std, args.seed)
+        candidates = DENSE_CANDIDATES_CUDA if device.type == "cuda" else ("sdpa-math",)
+        checks = check_dense_backends(probe, config, 1000, device, dtype, candidates, rows=16, time_it=False)
+        DENSE_STATE["prefill"] = next((c["backend"] for c in checks if c["ok"]), "sdpa-math")
+        print(f"prefill attention backend: {DENSE_STATE['prefill']}", flush=True)
+        del probe
+
+    method_seconds: List[float] = []
+    fill_rate = None  # seconds per (token x sequence) of fill + encode, from the previous cell
+    order = {m.name: i for i, m in enumerate(args.method_specs)}
+    for n in args.contexts:
+        for batch in args.batches:
+            slots = n + args.steps + args.warmup
+            base_row = {"B": batch, "n": n, "fill": args.fill, "compile": args.compile, "steps": args.steps}
+
+            def skip_all(reason):
+                print(f"[{batch=} {n=}] skipped: {reason}", flush=True)
+                for m in args.method_specs:
+                    save(row={**base_row, "method": m.name, "order": order[m.name], "status": "skipped",
+                              "reason": reason})
+
+            need = cell_bytes(config, batch, slots, element, families, args)
+            free = free_bytes(device)
+            if free is not None and need["total"] > free:
+                skip_all(f"needs ~{need['total'] / 2**30:.1f} GiB (KV {need['kv'] / 2**30:.1f}, signatures "
+                         f"{sum(need['signatures'].values()) / 2**30:.1f}, workspace {need['workspace'] / 2**30:.1f}) "
+                         f"beyond the {weights_bytes / 2**30:.1f} GiB of weights; {free / 2**30:.1f} GiB free")
+                continue
+            elapsed = time.monotonic() - started
+            predicted = (fill_rate or 0.0) * n * batch + (max(method_seconds) if method_seconds else 0.0)
+            if elapsed + predicted > args.time_budget_s:
+                skip_all(f"time budget: {elapsed:.0f} s elapsed + ~{predicted:.0f} s predicted > "
+                         f"{args.time_budget_s:.0f} s")
+                continue
+            print(f"[{batch=} {n=}] {slots} cache slots, KV {need['kv'] / 1e9:.1f} GB, "
+                  f"elapsed {elapsed:.0f} s", flush=True)
+            cell_start = time.monotonic()
+            fill = {"B": batch, "n": n, "fill": args.fill, "encode_s": {}}
+            caches = {}
+            try:
+                with torch.no_grad():
+                    base = new_static_cache(model, batch, slots, device, dtype)
+                    if args.fill == "random":
+                        with Timer(device) as t:
+                            fill_random(base, n, key_std, args.seed + n + batch)
+                        fill["key_std"] = key_std
+                        first_token = torch.ones(batch, 1, dtype=torch.long, device=device)
+                    else:
+                        model.set_attn_implementation(DENSE_ATTENTION_NAME)
+                        with sdpa_backend(DENSE_STATE["prefill"], device):
+                            prefill_s, first_token = fill_prefill(model, base, batch, n, args.prefill_chunk, device,
+                                                                  args.seed + n + batch)
+                        fill["prefill_s"] = prefill_s
+                        fill["prefill_attention_backend"] = DENSE_STATE["prefill"]
+                        t = None
+                    fill["fill_s"] = t.seconds if t is not None else fill["prefill_s"]
+                    for family in families:
+                        caches[family], fill["encode_s"][family] = attach_signatures(model, base, adapters[family],
+                                                                                      n, device)
+                    print(f"    fill {fill['fill_s']:.2f} s ({args.fill}), signature encode "
+                          + ", ".join(f"{f} {s:.3f} s" for f, s in fill["encode_s"].items()), flush=True)
+                    save(fill=fill)
+                    checks, dense_order = [], []
+                    if any(m.kind == "dense" for m in args.method_specs):
+                        if device.type != "cuda":
+                            candidates = ("sdpa-math",)
+                        elif args.dense_backend != "auto":
+                            candidates = (args.dense_backend,)
+                        else:
+                            candidates = DENSE_CANDIDATES_CUDA
+                        checks = check_dense_backends(base, config, n, device, dtype, candidates,
+                                                      time_it=not args.no_attention_share or len(candidates) > 1)
+                        passing = sorted((c for c in checks if c["ok"]),
+                                         key=lambda c: c.get("attention_s_per_step", 0.0))
+                        save(check={"B": batch, "n": n, "checks": checks})
+                        dense_order = [c["backend"] for c in passing]
+                    fill_rate = (time.monotonic() - cell_start) / (n * batch)
+            except Exception as error:
+                import traceback
+
+                traceback.print_exc()
+                skip_all(f"cache fill failed: {type(error).__name__}: {str(error)[:300]}")
+                caches.clear()
+                base = None
+                release(device)
+                continue
+
+            dense_tps, dense_tokens = None, None
+            for method in args.method_specs:
+                row = {**base_row, "method": method.name, "order": order[method.name]}
+                elapsed = time.monotonic() - started
+                predicted = max(method_seconds) if method_seconds else 0.0
+                if elapsed + predicted > args.time_budget_s:
+                    row.update(status="skipped", reason=f"time budget: {elapsed:.0f} s elapsed + ~{predicted:.0f} s "
+                                                        f"predicted > {args.time_budget_s:.0f} s")
+                    print(f"  {method.name}: {row['reason']}", flush=True)
+                    save(row=row)
+                    continue
+                print(f"  {method.name} ({batch=} {n=})", flush=True)
+                method_start = time.monotonic()
+                row["kv_bytes"] = 2 * batch * config.num_hidden_layers * config.num_key_value_heads * n \
+                    * config.head_dim * element
+                row["signature_bytes"] = 0
+                attempts = []
+                try:
+                    if method.kind == "dense":
+                        if not dense_order:
+                            raise RuntimeError("no dense backend passed the float32 check: "
+                                               + json.dumps(record["dense_checks"][-1]["checks"])[:400])
+                        attempts = list(dense_order)
+                    else:
+                        attempts = [None]
+                    result, errors = None, []
+                    for backend in attempts:
+                        try:
+                            if method.kind == "dense":
+                                DENSE_STATE["decode"] = backend
+                                model.set_attn_implementation(DENSE_ATTENTION_NAME)
+                                with sdpa_backend(backend, device):
+                                    result = run_method(method, model, base, first_token, n, args, device)
+                                row["dense_backend"] = backend
+                                check = next(c for c in checks if c["backend"] == backend)
+                                row["attention_s_per_step"] = check.get("attention_s_per_step")
+                            elif method.kind == "dense-hf":
+                                model.set_attn_implementation("sdpa")
+                                result = run_method(method, model, base, first_token, n, args, device)
+                            else:
+                                family = method.family
+                                hconfig = hash_config(method, args, slots)
+                                row["hash_config"] = hconfig.describe()
+                                row["signature_bytes"] = batch * config.num_hidden_layers \
+                                    * adapters[family].config.num_key_signature_heads * n * 4 \
+                                    * adapters[family].config.words
+                                with patch(model, adapters[family], hconfig):
+                                    result = run_method(method, model, caches[family], first_token, n, args, device)
+                                if not args.no_attention_share:
+                                    rewind(caches[family], n)
+                                    with torch.no_grad():
+                                        row["attention_s_per_step"] = hash_attention_per_step(
+                                            model, caches[family], adapters[family], hconfig, n, device, dtype)
+                            break
+                        except Exception as error:  # a dense backend that fails to compile: try the next one
+                            if method.kind != "dense" or backend == attempts[-1]:
+                                raise
+                            errors.append(f"{backend}: {type(error).__name__}: {str(error)[:200]}")
+                            print(f"    dense backend {backend} failed ({errors[-1]}); trying the next", flush=True)
+                            release(device)
+                    if errors:
+                        row["failed_backends"] = errors
+                    row.update(result, status="ok")
+                    if row.get("attention_s_per_step") is not None:
+                        row["attention_share"] = row["attention_s_per_step"] * 1e3 / row["ms_per_step"]
+                    if method.kind == "dense":
+                        dense_tps, dense_tokens = row["tokens_per_s"], row["generated_tokens"]
+                    if dense_tps and method.kind != "dense":
+                        row["ratio_to_dense"] = row["tokens_per_s"] / dense_tps
+                        row["first_divergence_from_dense"] = first_divergence(row["generated_tokens"], dense_tokens)
+                    print(f"    {row['tokens_per_s']:.1f} tokens/s, {row['ms_per_step']:.2f} ms/step"
+                          + (f", {row['ratio_to_dense']:.2f}x dense" if row.get("ratio_to_dense") else "")
+                          + (f", attention {100 * row['attention_share']:.0f}%" if row.get("attention_share") else "")
+                          + f", compile {fmt(row.get('compile_s'), '.1f')} s, graph breaks {row['graph_breaks']}, "
+                            f"cudagraph skips {row['cudagraph_skips']}", flush=True)
+                except Exception as error:
+                    import traceback
+
+                    traceback.print_exc()
+                    row.update(status="error", reason=f"{type(error).__name__}: {str(error)[:300]}")
+                finally:
+                    if is_patched(model):
+                        unpatch(model)
+                    model.set_attn_implementation(DENSE_ATTENTION_NAME)
+                    method_seconds.append(time.monotonic() - method_start)
+                    row["method_wall_s"] = method_seconds[-1]
+                    save(row=row)
+                    release(device)
+            del base
+            caches.clear()
+            release(device)
+    print(f"done in {time.monotonic() - started:.0f} s: {json_path}, {md_path}", flush=True)
+    print("\n".join(target_line(record, *t) for t in TARGETS), flush=True)
+    return record
+
+
+def first_divergence(tokens, reference) -> Optional[int]:
+    """Number of leading steps where every sequence's token equals the reference's."""
+    if reference is None or len(tokens) != len(reference):
+        return None
+    steps = len(tokens[0])
+    for step in range(steps):
+        if any(row[step] != ref[step] for row, ref in zip(tokens, reference)):
+            return step
+    return steps
+
+
+if __name__ == "__main__":
+    main()

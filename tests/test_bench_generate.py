@@ -1,0 +1,144 @@
+"""scripts/bench_generate.py on the CPU: a tiny model end to end, the cache layouts it hands to FlashAttention,
+its memory arithmetic and its skip records (the GPU numbers themselves come from the H200)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "bench_generate.py")
+
+spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+sys.modules["bench_generate"] = bench  # dataclasses look their module up by name
+spec.loader.exec_module(bench)
+
+TINY = ["--tiny", "--device", "cpu", "--compile", "none", "--sink", "4", "--local", "4"]
+
+
+def load_record(folder):
+    names = [n for n in os.listdir(folder) if n.startswith("bench_generate_") and n.endswith(".json")]
+    assert len(names) == 1, names
+    with open(os.path.join(folder, names[0])) as f:
+        record = json.load(f)
+    assert os.path.exists(os.path.join(folder, names[0][:-5] + ".md"))
+    return record, os.path.join(folder, names[0][:-5] + ".md")
+
+
+def test_cli_end_to_end_tiny_model(tmp_path):
+    """Every (B, n, method) cell is measured; at a budget covering the cache HashAttention decodes dense's tokens."""
+    methods = ["dense", "hash-query_head-full", "hash-kv_group-full", "hash-query_head-32"]
+    command = [sys.executable, SCRIPT, *TINY, "--contexts", "96", "--batches", "1,2", "--steps", "4",
+               "--methods", ",".join(methods), "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record, md_path = load_record(tmp_path)
+    rows = {(r["B"], r["n"], r["method"]): r for r in record["rows"]}
+    assert set(rows) == {(b, 96, m) for b in (1, 2) for m in methods}
+    for key, row in rows.items():
+        assert row["status"] == "ok", (key, row.get("reason"))
+        assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, key
+        assert row["ms_per_step"] > 0 and row["graph_breaks"] == 0
+        tokens = torch.tensor(row["generated_tokens"])
+        assert tokens.shape == (key[0], 4)
+        assert 0 <= int(tokens.min()) and int(tokens.max()) < 512
+    for batch in (1, 2):
+        dense = rows[(batch, 96, "dense")]
+        assert dense["dense_backend"] == "sdpa-math"
+        for full in ("hash-query_head-full", "hash-kv_group-full"):
+            assert rows[(batch, 96, full)]["generated_tokens"] == dense["generated_tokens"], (batch, full)
+            assert rows[(batch, 96, full)]["first_divergence_from_dense"] == 4
+        sparse = rows[(batch, 96, "hash-query_head-32")]
+        assert sparse["ratio_to_dense"] > 0
+        # 2 layers x 4 query-head signatures x 96 keys x 4 bytes per sequence; K+V 2 x 2 x 2 heads x 96 x 64 x 4 bytes
+        assert sparse["signature_bytes"] == batch * 2 * 4 * 96 * 4
+        assert dense["kv_bytes"] == batch * 2 * 2 * 2 * 96 * 64 * 4 and dense["signature_bytes"] == 0
+        assert 0 < dense["attention_share"] and 0 < sparse["attention_share"]
+    fills = {(f["B"], f["n"]): f for f in record["fills"]}
+    assert set(fills) == {(1, 96), (2, 96)}
+    assert all(f["encode_s"]["query"] > 0 and f["encode_s"]["kv"] > 0 for f in fills.values())
+    assert record["runs"][0]["command"].startswith("python ") and "--tiny" in record["runs"][0]["command"]
+    text = open(md_path).read()
+    assert "| 2 | 96 | hash-query_head-32 |" in text and "## Targets (issue 7)" in text
+    assert "**not measured**" in text  # the 128K targets are not part of this grid
+
+
+def test_prefill_fill_and_merge(tmp_path):
+    """A real chunked prefill fills the cache; a second run of the same day merges its rows into the file."""
+    common = [*TINY, "--contexts", "80", "--batches", "2", "--steps", "3", "--out", str(tmp_path)]
+    bench.main([*common, "--fill", "prefill", "--prefill-chunk", "32", "--methods", "dense,hash-kv_group-full"])
+    record, _ = load_record(tmp_path)
+    fill = record["fills"][0]
+    assert fill["fill"] == "prefill" and fill["prefill_s"] > 0 and fill["prefill_attention_backend"] == "sdpa-math"
+    rows = {r["method"]: r for r in record["rows"]}
+    assert rows["hash-kv_group-full"]["generated_tokens"] == rows["dense"]["generated_tokens"]
+
+    bench.main([*common, "--methods", "hash-query_head-16", "--time-budget-s", "0"])
+    record, _ = load_record(tmp_path)
+    methods = {r["method"]: r for r in record["rows"]}
+    assert set(methods) == {"dense", "hash-kv_group-full", "hash-query_head-16"}
+    assert methods["hash-query_head-16"]["status"] == "skipped"
+    assert "time budget" in methods["hash-query_head-16"]["reason"]
+    assert len(record["runs"]) == 2
+
+
+def emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
+    """FlashAttention-2 varlen semantics in plain PyTorch: per sequence, the first used_k keys, GQA, bottom-right causal."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for s in range(cu_q.numel() - 1):
+        qs = q[cu_q[s]:cu_q[s + 1]].double()
+        used = int(used_k[s])
+        assert used <= max_k and cu_k[s] + used <= k.shape[0]
+        ks = k[cu_k[s]:cu_k[s] + used].double().repeat_interleave(group, dim=1)
+        vs = v[cu_k[s]:cu_k[s] + used].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,nhd->hln", qs, ks) * scale
+        if causal:
+            rows = qs.shape[0]
+            visible = torch.arange(used)[None, :] <= (used - rows + torch.arange(rows))[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        out[cu_q[s]:cu_q[s + 1]] = torch.einsum("hln,nhd->lhd", scores.softmax(-1), vs).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_flash_varlen_reads_the_static_cache_in_place(monkeypatch, rows):
+    """The (sequence, KV head) packing of the HF cache and the output unpacking give exact GQA attention."""
+    monkeypatch.setattr(bench, "FLASH_KERNEL", emulated_flash)
+    g = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, slots, dim = 2, 8, 2, 40, 16
+    key = torch.randn(batch, kv_heads, slots, dim, generator=g)
+    value = torch.randn(batch, kv_heads, slots, dim, generator=g)
+    query = torch.randn(batch, heads, rows, dim, generator=g)
+    for lengths in ([31, 31], [23, 37]):
+        got = bench.flash_varlen(query, key, value, torch.tensor(lengths, dtype=torch.int32), dim ** -0.5,
+                                 causal=rows > 1)
+        for b, valid in enumerate(lengths):
+            want = bench.reference_attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], valid, rows)
+            torch.testing.assert_close(got[b:b + 1], want, atol=1e-5, rtol=1e-5)
+    # dense_core takes the lengths from the decode rows' positions
+    positions = torch.arange(31 - rows, 31)[None].expand(batch, rows)
+    got = bench.dense_core("flash-varlen", query, key, value, None, positions, dim ** -0.5)
+    torch.testing.assert_close(got, bench.reference_attention(query, key, value, 31, rows), atol=1e-5, rtol=1e-5)
+
+
+def test_method_names_and_memory_arithmetic():
+    method = bench.parse_method("hash-kv_group-16")
+    assert (method.kind, method.selection, method.sparsity, method.family) == ("hash", "kv_group", 16.0, "kv")
+    assert bench.parse_method("hash-query_head-full").full
+    for bad in ("hash-query_head-1", "hash-rows-16", "sparse", "hash-kv_group-x"):
+        with pytest.raises(ValueError, match="--methods"):
+            bench.parse_method(bad)
+    args = bench.parse_args(["--contexts", "131072", "--batches", "4"])
+    config = bench.model_config(args, 131072 + 200)
+    need = bench.cell_bytes(config, 4, 131072, 2, ["kv", "query"], args)
+    assert need["kv"] == 4 * 131072 * 32 * 4096          # 4 KiB of K+V per token and layer
+    assert need["signatures"] == {"query": 4 * 131072 * 32 * 128, "kv": 4 * 131072 * 32 * 32}
+    assert need["total"] > need["kv"] + sum(need["signatures"].values())
+    assert config.rope_parameters["rope_type"] == "llama3" and config.max_position_embeddings >= 131072 + 200
