@@ -360,9 +360,12 @@ def dense_core(backend, query, key, value, mask, position_ids, scale):
     if backend == "flash-varlen":
         lengths = (position_ids[:, -1] + 1).to(torch.int32)
         return flash_varlen(query, key, value, lengths, scale, causal=query.shape[2] > 1)
-    if mask is None:  # transformers skipped the mask: a prefill from position 0 without padding
+    if mask is None:
+        # transformers skips the mask only when every key is visible: a single row attends to all
+        # slots; several rows are a prefill from position 0 without padding (the first ``rows`` slots).
         rows = query.shape[2]
-        out = F.scaled_dot_product_attention(query, key[:, :, :rows], value[:, :, :rows], is_causal=rows > 1,
+        keys = slice(None) if rows == 1 else slice(0, rows)
+        out = F.scaled_dot_product_attention(query, key[:, :, keys], value[:, :, keys], is_causal=rows > 1,
                                              scale=scale, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -577,7 +580,7 @@ def compile_counters():
     }
 
 
-def run_method(method: Method, model, cache, first_token, valid: int, args, device):
+def run_method(model, cache, first_token, valid: int, args, device):
     """Compile, warm up, rewind and time ``args.steps`` decode steps. Returns the measurements."""
     from torch._dynamo.utils import counters
 
@@ -741,243 +744,288 @@ def target_line(record, batch, n, method, target) -> str:
 
 # ---- main loop ----------------------------------------------------------------------------------------
 
-def main(argv=None):
-    args = parse_args(argv)
-    from hashattention.patching import is_patched, patch, unpatch
+@dataclasses.dataclass
+class Cell:
+    """One (B, n) of the grid: its caches (shared by all methods) and what the dense check found."""
 
-    started = time.monotonic()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    element = torch.finfo(dtype).bits // 8
-    if args.compile != "none" and device.type != "cuda":
-        raise SystemExit("--compile reduce-overhead/cudagraphs needs a CUDA device; use --compile none on the CPU")
-    torch.manual_seed(args.seed)
-    register_dense_attention()
+    batch: int
+    n: int
+    slots: int
+    base: object = None                                       # StaticCache with the K/V
+    caches: Dict[str, object] = dataclasses.field(default_factory=dict)  # family -> cache with signatures
+    first_token: Optional[torch.Tensor] = None
+    dense_checks: List[dict] = dataclasses.field(default_factory=list)
+    dense_order: List[str] = dataclasses.field(default_factory=list)  # passing backends, fastest first
+    dense_tokens_per_s: Optional[float] = None
+    dense_tokens: Optional[list] = None
 
-    today = datetime.datetime.now(datetime.timezone.utc)
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, f"bench_generate_{today:%Y%m%d}.json")
-    md_path = json_path[:-5] + ".md"
-    record = {} if args.fresh else load_previous(json_path)
-    record.setdefault("rows", [])
-    record.setdefault("fills", [])
-    record.setdefault("runs", [])
-    record.setdefault("dense_checks", [])
-    record["env"] = environment(args, device)
-    command = "python " + " ".join(shlex.quote(a) for a in ([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])))
-    print(f"{command}\n{record['env']}", flush=True)
 
-    max_positions = max(args.contexts) + args.steps + args.warmup + 8
-    config = model_config(args, max_positions)
-    with Timer(device) as t:
-        model = build_model(config, device, dtype)
-    described = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads}/"
-                 f"{config.num_key_value_heads} heads, head_dim {config.head_dim}, vocab {config.vocab_size}, {dtype}")
-    print(f"model built in {t.seconds:.1f} s: {described}", flush=True)
-    run_info = {"command": command, "started_utc": f"{today:%Y-%m-%d %H:%M} UTC", "fill": args.fill,
-                "compile": args.compile, "model": described, "steps": args.steps, "sink": args.sink,
-                "local": args.local, "model_build_s": t.seconds}
-    record["runs"].append(run_info)
-    families = sorted({m.family for m in args.method_specs if m.family})
-    adapters = {f: build_adapters(config, f, device, dtype) for f in families}
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    key_std = config.initializer_range * math.sqrt(config.hidden_size)
+class Benchmark:
+    """The grid loop: builds the model once, then fills, measures and records cell after cell."""
 
-    def save(row=None, fill=None, check=None):
+    def __init__(self, args, argv):
+        self.args = args
+        self.started = time.monotonic()
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = getattr(torch, args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+        self.element = torch.finfo(self.dtype).bits // 8
+        if args.compile != "none" and self.device.type != "cuda":
+            raise SystemExit("--compile reduce-overhead/cudagraphs needs a CUDA device; use --compile none on the CPU")
+        torch.manual_seed(args.seed)
+        register_dense_attention()
+
+        today = datetime.datetime.now(datetime.timezone.utc)
+        os.makedirs(args.out, exist_ok=True)
+        self.json_path = os.path.join(args.out, f"bench_generate_{today:%Y%m%d}.json")
+        self.md_path = self.json_path[:-5] + ".md"
+        self.record = {} if args.fresh else load_previous(self.json_path)
+        for key in ("rows", "fills", "runs", "dense_checks"):
+            self.record.setdefault(key, [])
+        self.record["env"] = environment(args, self.device)
+        words = [sys.argv[0]] + (list(argv) if argv is not None else sys.argv[1:])
+        command = "python " + " ".join(shlex.quote(w) for w in words)
+        print(f"{command}\n{self.record['env']}", flush=True)
+
+        self.config = model_config(args, max(args.contexts) + args.steps + args.warmup + 8)
+        with Timer(self.device) as t:
+            self.model = build_model(self.config, self.device, self.dtype)
+        c = self.config
+        described = (f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads}/"
+                     f"{c.num_key_value_heads} heads, head_dim {c.head_dim}, vocab {c.vocab_size}, {self.dtype}")
+        print(f"model built in {t.seconds:.1f} s: {described}", flush=True)
+        self.record["runs"].append({
+            "command": command, "started_utc": f"{today:%Y-%m-%d %H:%M} UTC", "fill": args.fill,
+            "compile": args.compile, "model": described, "steps": args.steps, "warmup": args.warmup,
+            "sink": args.sink, "local": args.local, "model_build_s": t.seconds})
+        self.families = sorted({m.family for m in args.method_specs if m.family})
+        self.adapters = {f: build_adapters(c, f, self.device, self.dtype) for f in self.families}
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # What this random model's k_proj gives for RMS-normalised inputs: std 0.02 * sqrt(hidden).
+        self.key_std = c.initializer_range * math.sqrt(c.hidden_size)
+        self.order = {m.name: i for i, m in enumerate(args.method_specs)}
+        self.method_seconds: List[float] = []
+        self.fill_rate = 0.0  # seconds per (token x sequence) of fill + encode + check, from the previous cell
+
+    # -- bookkeeping --
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def save(self, row=None, fill=None, check=None) -> None:
+        r = self.record
         if row is not None:
-            record["rows"] = [r for r in record["rows"] if cell_key(r) != cell_key(row)] + [row]
+            r["rows"] = [x for x in r["rows"] if cell_key(x) != cell_key(row)] + [row]
         if fill is not None:
-            record["fills"] = [f for f in record["fills"] if (f["B"], f["n"]) != (fill["B"], fill["n"])] + [fill]
+            r["fills"] = [x for x in r["fills"] if (x["B"], x["n"]) != (fill["B"], fill["n"])] + [fill]
         if check is not None:
-            record["dense_checks"] = [c for c in record["dense_checks"] if (c["B"], c["n"]) != (check["B"], check["n"])]
-            record["dense_checks"].append(check)
-        record["updated_utc"] = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-        write_results(record, json_path, md_path)
+            r["dense_checks"] = [x for x in r["dense_checks"] if (x["B"], x["n"]) != (check["B"], check["n"])]
+            r["dense_checks"].append(check)
+        r["updated_utc"] = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        write_results(r, self.json_path, self.md_path)
 
-    # Prefill needs a multi-row dense backend; check once on a small problem of the model's shapes.
-    if args.fill == "prefill":
-        probe = new_static_cache(model, 1, 1024, device, dtype)
-        fill_random(probe, 1024, key_std, args.seed)
-        candidates = DENSE_CANDIDATES_CUDA if device.type == "cuda" else ("sdpa-math",)
-        checks = check_dense_backends(probe, config, 1000, device, dtype, candidates, rows=16, time_it=False)
+    def base_row(self, batch: int, n: int, method: Method) -> dict:
+        a = self.args
+        return {"B": batch, "n": n, "method": method.name, "order": self.order[method.name], "fill": a.fill,
+                "compile": a.compile, "steps": a.steps}
+
+    def skip_cell(self, batch: int, n: int, reason: str) -> None:
+        print(f"[B={batch} n={n}] skipped: {reason}", flush=True)
+        for method in self.args.method_specs:
+            self.save(row={**self.base_row(batch, n, method), "status": "skipped", "reason": reason})
+
+    # -- the grid --
+
+    def run(self) -> dict:
+        if self.args.fill == "prefill":
+            self.choose_prefill_backend()
+        for n in self.args.contexts:
+            for batch in self.args.batches:
+                self.run_cell(batch, n)
+        print(f"done in {self.elapsed():.0f} s: {self.json_path}, {self.md_path}", flush=True)
+        print("\n".join(target_line(self.record, *t) for t in TARGETS), flush=True)
+        return self.record
+
+    def choose_prefill_backend(self) -> None:
+        """Prefill needs a multi-row dense backend: check the candidates once on a small cache of the model's shapes."""
+        probe = new_static_cache(self.model, 1, 1024, self.device, self.dtype)
+        fill_random(probe, 1024, self.key_std, self.args.seed)
+        candidates = DENSE_CANDIDATES_CUDA if self.device.type == "cuda" else ("sdpa-math",)
+        checks = check_dense_backends(probe, self.config, 1000, self.device, self.dtype, candidates, rows=16,
+                                      time_it=False)
         DENSE_STATE["prefill"] = next((c["backend"] for c in checks if c["ok"]), "sdpa-math")
         print(f"prefill attention backend: {DENSE_STATE['prefill']}", flush=True)
-        del probe
 
-    method_seconds: List[float] = []
-    fill_rate = None  # seconds per (token x sequence) of fill + encode, from the previous cell
-    order = {m.name: i for i, m in enumerate(args.method_specs)}
-    for n in args.contexts:
-        for batch in args.batches:
-            slots = n + args.steps + args.warmup
-            base_row = {"B": batch, "n": n, "fill": args.fill, "compile": args.compile, "steps": args.steps}
+    def run_cell(self, batch: int, n: int) -> None:
+        args = self.args
+        slots = n + args.steps + args.warmup
+        need = cell_bytes(self.config, batch, slots, self.element, self.families, args)
+        free = free_bytes(self.device)
+        if free is not None and need["total"] > free:
+            return self.skip_cell(batch, n, (
+                f"needs ~{need['total'] / 2**30:.1f} GiB (KV {need['kv'] / 2**30:.1f}, signatures "
+                f"{sum(need['signatures'].values()) / 2**30:.1f}, workspace {need['workspace'] / 2**30:.1f}) beyond "
+                f"the {self.weights_bytes / 2**30:.1f} GiB of weights; {free / 2**30:.1f} GiB free"))
+        predicted = self.fill_rate * n * batch + (max(self.method_seconds) if self.method_seconds else 0.0)
+        if self.elapsed() + predicted > args.time_budget_s:
+            return self.skip_cell(batch, n, f"time budget: {self.elapsed():.0f} s elapsed + ~{predicted:.0f} s "
+                                            f"predicted > {args.time_budget_s:.0f} s")
+        print(f"[B={batch} n={n}] {slots} cache slots, KV {need['kv'] / 1e9:.1f} GB, "
+              f"elapsed {self.elapsed():.0f} s", flush=True)
+        cell = Cell(batch, n, slots)
+        try:
+            start = time.monotonic()
+            with torch.no_grad():
+                self.prepare(cell)
+            self.fill_rate = (time.monotonic() - start) / (n * batch)
+        except Exception as error:
+            import traceback
 
-            def skip_all(reason):
-                print(f"[{batch=} {n=}] skipped: {reason}", flush=True)
-                for m in args.method_specs:
-                    save(row={**base_row, "method": m.name, "order": order[m.name], "status": "skipped",
-                              "reason": reason})
+            traceback.print_exc()
+            cell = None
+            release(self.device)
+            return self.skip_cell(batch, n, f"cache fill failed: {type(error).__name__}: {str(error)[:300]}")
+        for method in args.method_specs:
+            self.measure(cell, method)
+        cell = None
+        release(self.device)
 
-            need = cell_bytes(config, batch, slots, element, families, args)
-            free = free_bytes(device)
-            if free is not None and need["total"] > free:
-                skip_all(f"needs ~{need['total'] / 2**30:.1f} GiB (KV {need['kv'] / 2**30:.1f}, signatures "
-                         f"{sum(need['signatures'].values()) / 2**30:.1f}, workspace {need['workspace'] / 2**30:.1f}) "
-                         f"beyond the {weights_bytes / 2**30:.1f} GiB of weights; {free / 2**30:.1f} GiB free")
-                continue
-            elapsed = time.monotonic() - started
-            predicted = (fill_rate or 0.0) * n * batch + (max(method_seconds) if method_seconds else 0.0)
-            if elapsed + predicted > args.time_budget_s:
-                skip_all(f"time budget: {elapsed:.0f} s elapsed + ~{predicted:.0f} s predicted > "
-                         f"{args.time_budget_s:.0f} s")
-                continue
-            print(f"[{batch=} {n=}] {slots} cache slots, KV {need['kv'] / 1e9:.1f} GB, "
-                  f"elapsed {elapsed:.0f} s", flush=True)
-            cell_start = time.monotonic()
-            fill = {"B": batch, "n": n, "fill": args.fill, "encode_s": {}}
-            caches = {}
+    def prepare(self, cell: Cell) -> None:
+        """Fill the cache once, encode the key signatures per family, check and time the dense backends."""
+        args, device, dtype = self.args, self.device, self.dtype
+        fill = {"B": cell.batch, "n": cell.n, "fill": args.fill, "encode_s": {}}
+        cell.base = new_static_cache(self.model, cell.batch, cell.slots, device, dtype)
+        seed = args.seed + cell.n + cell.batch
+        if args.fill == "random":
+            with Timer(device) as t:
+                fill_random(cell.base, cell.n, self.key_std, seed)
+            fill.update(fill_s=t.seconds, key_std=self.key_std)
+            cell.first_token = torch.ones(cell.batch, 1, dtype=torch.long, device=device)
+        else:
+            self.model.set_attn_implementation(DENSE_ATTENTION_NAME)
+            with sdpa_backend(DENSE_STATE["prefill"], device):
+                seconds, cell.first_token = fill_prefill(self.model, cell.base, cell.batch, cell.n,
+                                                         args.prefill_chunk, device, seed)
+            fill.update(fill_s=seconds, prefill_s=seconds, prefill_attention_backend=DENSE_STATE["prefill"],
+                        prefill_chunk=args.prefill_chunk)
+        for family in self.families:
+            cell.caches[family], fill["encode_s"][family] = attach_signatures(
+                self.model, cell.base, self.adapters[family], cell.n, device)
+        print(f"    fill {fill['fill_s']:.2f} s ({args.fill}), signature encode "
+              + ", ".join(f"{f} {s:.3f} s" for f, s in fill["encode_s"].items()), flush=True)
+        self.save(fill=fill)
+        if any(m.kind == "dense" for m in args.method_specs):
+            if device.type != "cuda":
+                candidates = ("sdpa-math",)
+            elif args.dense_backend != "auto":
+                candidates = (args.dense_backend,)
+            else:
+                candidates = DENSE_CANDIDATES_CUDA
+            time_it = not args.no_attention_share or len(candidates) > 1
+            cell.dense_checks = check_dense_backends(cell.base, self.config, cell.n, device, dtype, candidates,
+                                                     time_it=time_it)
+            passing = sorted((c for c in cell.dense_checks if c["ok"]), key=lambda c: c.get("attention_s_per_step", 0))
+            cell.dense_order = [c["backend"] for c in passing]
+            self.save(check={"B": cell.batch, "n": cell.n, "checks": cell.dense_checks})
+
+    def measure(self, cell: Cell, method: Method) -> None:
+        """Time one method on the cell's cache and record the row (ok, skipped or error)."""
+        from hashattention.patching import is_patched, unpatch
+
+        args, config = self.args, self.config
+        row = self.base_row(cell.batch, cell.n, method)
+        predicted = max(self.method_seconds) if self.method_seconds else 0.0
+        if self.elapsed() + predicted > args.time_budget_s:
+            row.update(status="skipped", reason=f"time budget: {self.elapsed():.0f} s elapsed + ~{predicted:.0f} s "
+                                                f"predicted > {args.time_budget_s:.0f} s")
+            print(f"  {method.name}: {row['reason']}", flush=True)
+            return self.save(row=row)
+        print(f"  {method.name} (B={cell.batch} n={cell.n})", flush=True)
+        start = time.monotonic()
+        row["kv_bytes"] = 2 * cell.batch * config.num_hidden_layers * config.num_key_value_heads * cell.n \
+            * config.head_dim * self.element
+        row["signature_bytes"] = 0
+        try:
+            if method.kind == "dense":
+                result = self.measure_dense(cell, method, row)
+            elif method.kind == "dense-hf":
+                self.model.set_attn_implementation("sdpa")
+                result = run_method(self.model, cell.base, cell.first_token, cell.n, args, self.device)
+            else:
+                result = self.measure_hash(cell, method, row)
+            row.update(result, status="ok")
+            if row.get("attention_s_per_step") is not None:
+                row["attention_share"] = row["attention_s_per_step"] * 1e3 / row["ms_per_step"]
+            if method.kind == "dense":
+                cell.dense_tokens_per_s, cell.dense_tokens = row["tokens_per_s"], row["generated_tokens"]
+            elif cell.dense_tokens_per_s:
+                row["ratio_to_dense"] = row["tokens_per_s"] / cell.dense_tokens_per_s
+                row["first_divergence_from_dense"] = first_divergence(row["generated_tokens"], cell.dense_tokens)
+            print(f"    {row['tokens_per_s']:.1f} tokens/s, {row['ms_per_step']:.2f} ms/step"
+                  + (f", {row['ratio_to_dense']:.2f}x dense" if row.get("ratio_to_dense") else "")
+                  + (f", attention {100 * row['attention_share']:.0f}%" if row.get("attention_share") else "")
+                  + f", compile {fmt(row.get('compile_s'), '.1f')} s, graph breaks {row['graph_breaks']}, "
+                    f"cudagraph skips {row['cudagraph_skips']}", flush=True)
+        except Exception as error:
+            import traceback
+
+            traceback.print_exc()
+            row.update(status="error", reason=f"{type(error).__name__}: {str(error)[:300]}")
+        finally:
+            if is_patched(self.model):
+                unpatch(self.model)
+            self.model.set_attn_implementation(DENSE_ATTENTION_NAME)
+            self.method_seconds.append(time.monotonic() - start)
+            row["method_wall_s"] = self.method_seconds[-1]
+            self.save(row=row)
+            release(self.device)
+
+    def measure_dense(self, cell: Cell, method: Method, row: dict) -> dict:
+        """The fastest verified backend; if it fails under compilation, the next one (the failure is recorded)."""
+        if not cell.dense_order:
+            raise RuntimeError("no dense backend passed the float32 check: " + json.dumps(cell.dense_checks)[:400])
+        self.model.set_attn_implementation(DENSE_ATTENTION_NAME)
+        failures = []
+        for backend in cell.dense_order:
+            DENSE_STATE["decode"] = backend
             try:
-                with torch.no_grad():
-                    base = new_static_cache(model, batch, slots, device, dtype)
-                    if args.fill == "random":
-                        with Timer(device) as t:
-                            fill_random(base, n, key_std, args.seed + n + batch)
-                        fill["key_std"] = key_std
-                        first_token = torch.ones(batch, 1, dtype=torch.long, device=device)
-                    else:
-                        model.set_attn_implementation(DENSE_ATTENTION_NAME)
-                        with sdpa_backend(DENSE_STATE["prefill"], device):
-                            prefill_s, first_token = fill_prefill(model, base, batch, n, args.prefill_chunk, device,
-                                                                  args.seed + n + batch)
-                        fill["prefill_s"] = prefill_s
-                        fill["prefill_attention_backend"] = DENSE_STATE["prefill"]
-                        t = None
-                    fill["fill_s"] = t.seconds if t is not None else fill["prefill_s"]
-                    for family in families:
-                        caches[family], fill["encode_s"][family] = attach_signatures(model, base, adapters[family],
-                                                                                      n, device)
-                    print(f"    fill {fill['fill_s']:.2f} s ({args.fill}), signature encode "
-                          + ", ".join(f"{f} {s:.3f} s" for f, s in fill["encode_s"].items()), flush=True)
-                    save(fill=fill)
-                    checks, dense_order = [], []
-                    if any(m.kind == "dense" for m in args.method_specs):
-                        if device.type != "cuda":
-                            candidates = ("sdpa-math",)
-                        elif args.dense_backend != "auto":
-                            candidates = (args.dense_backend,)
-                        else:
-                            candidates = DENSE_CANDIDATES_CUDA
-                        checks = check_dense_backends(base, config, n, device, dtype, candidates,
-                                                      time_it=not args.no_attention_share or len(candidates) > 1)
-                        passing = sorted((c for c in checks if c["ok"]),
-                                         key=lambda c: c.get("attention_s_per_step", 0.0))
-                        save(check={"B": batch, "n": n, "checks": checks})
-                        dense_order = [c["backend"] for c in passing]
-                    fill_rate = (time.monotonic() - cell_start) / (n * batch)
+                with sdpa_backend(backend, self.device):
+                    result = run_method(self.model, cell.base, cell.first_token, cell.n, self.args, self.device)
             except Exception as error:
-                import traceback
-
-                traceback.print_exc()
-                skip_all(f"cache fill failed: {type(error).__name__}: {str(error)[:300]}")
-                caches.clear()
-                base = None
-                release(device)
+                if backend == cell.dense_order[-1]:
+                    raise
+                failures.append(f"{backend}: {type(error).__name__}: {str(error)[:200]}")
+                print(f"    dense backend {backend} failed ({failures[-1]}); trying the next", flush=True)
+                release(self.device)
                 continue
+            check = next(c for c in cell.dense_checks if c["backend"] == backend)
+            row.update(dense_backend=backend, attention_s_per_step=check.get("attention_s_per_step"))
+            if failures:
+                row["failed_backends"] = failures
+            return result
+        raise AssertionError("unreachable")
 
-            dense_tps, dense_tokens = None, None
-            for method in args.method_specs:
-                row = {**base_row, "method": method.name, "order": order[method.name]}
-                elapsed = time.monotonic() - started
-                predicted = max(method_seconds) if method_seconds else 0.0
-                if elapsed + predicted > args.time_budget_s:
-                    row.update(status="skipped", reason=f"time budget: {elapsed:.0f} s elapsed + ~{predicted:.0f} s "
-                                                        f"predicted > {args.time_budget_s:.0f} s")
-                    print(f"  {method.name}: {row['reason']}", flush=True)
-                    save(row=row)
-                    continue
-                print(f"  {method.name} ({batch=} {n=})", flush=True)
-                method_start = time.monotonic()
-                row["kv_bytes"] = 2 * batch * config.num_hidden_layers * config.num_key_value_heads * n \
-                    * config.head_dim * element
-                row["signature_bytes"] = 0
-                attempts = []
-                try:
-                    if method.kind == "dense":
-                        if not dense_order:
-                            raise RuntimeError("no dense backend passed the float32 check: "
-                                               + json.dumps(record["dense_checks"][-1]["checks"])[:400])
-                        attempts = list(dense_order)
-                    else:
-                        attempts = [None]
-                    result, errors = None, []
-                    for backend in attempts:
-                        try:
-                            if method.kind == "dense":
-                                DENSE_STATE["decode"] = backend
-                                model.set_attn_implementation(DENSE_ATTENTION_NAME)
-                                with sdpa_backend(backend, device):
-                                    result = run_method(method, model, base, first_token, n, args, device)
-                                row["dense_backend"] = backend
-                                check = next(c for c in checks if c["backend"] == backend)
-                                row["attention_s_per_step"] = check.get("attention_s_per_step")
-                            elif method.kind == "dense-hf":
-                                model.set_attn_implementation("sdpa")
-                                result = run_method(method, model, base, first_token, n, args, device)
-                            else:
-                                family = method.family
-                                hconfig = hash_config(method, args, slots)
-                                row["hash_config"] = hconfig.describe()
-                                row["signature_bytes"] = batch * config.num_hidden_layers \
-                                    * adapters[family].config.num_key_signature_heads * n * 4 \
-                                    * adapters[family].config.words
-                                with patch(model, adapters[family], hconfig):
-                                    result = run_method(method, model, caches[family], first_token, n, args, device)
-                                if not args.no_attention_share:
-                                    rewind(caches[family], n)
-                                    with torch.no_grad():
-                                        row["attention_s_per_step"] = hash_attention_per_step(
-                                            model, caches[family], adapters[family], hconfig, n, device, dtype)
-                            break
-                        except Exception as error:  # a dense backend that fails to compile: try the next one
-                            if method.kind != "dense" or backend == attempts[-1]:
-                                raise
-                            errors.append(f"{backend}: {type(error).__name__}: {str(error)[:200]}")
-                            print(f"    dense backend {backend} failed ({errors[-1]}); trying the next", flush=True)
-                            release(device)
-                    if errors:
-                        row["failed_backends"] = errors
-                    row.update(result, status="ok")
-                    if row.get("attention_s_per_step") is not None:
-                        row["attention_share"] = row["attention_s_per_step"] * 1e3 / row["ms_per_step"]
-                    if method.kind == "dense":
-                        dense_tps, dense_tokens = row["tokens_per_s"], row["generated_tokens"]
-                    if dense_tps and method.kind != "dense":
-                        row["ratio_to_dense"] = row["tokens_per_s"] / dense_tps
-                        row["first_divergence_from_dense"] = first_divergence(row["generated_tokens"], dense_tokens)
-                    print(f"    {row['tokens_per_s']:.1f} tokens/s, {row['ms_per_step']:.2f} ms/step"
-                          + (f", {row['ratio_to_dense']:.2f}x dense" if row.get("ratio_to_dense") else "")
-                          + (f", attention {100 * row['attention_share']:.0f}%" if row.get("attention_share") else "")
-                          + f", compile {fmt(row.get('compile_s'), '.1f')} s, graph breaks {row['graph_breaks']}, "
-                            f"cudagraph skips {row['cudagraph_skips']}", flush=True)
-                except Exception as error:
-                    import traceback
+    def measure_hash(self, cell: Cell, method: Method, row: dict) -> dict:
+        from hashattention.patching import patch
 
-                    traceback.print_exc()
-                    row.update(status="error", reason=f"{type(error).__name__}: {str(error)[:300]}")
-                finally:
-                    if is_patched(model):
-                        unpatch(model)
-                    model.set_attn_implementation(DENSE_ATTENTION_NAME)
-                    method_seconds.append(time.monotonic() - method_start)
-                    row["method_wall_s"] = method_seconds[-1]
-                    save(row=row)
-                    release(device)
-            del base
-            caches.clear()
-            release(device)
-    print(f"done in {time.monotonic() - started:.0f} s: {json_path}, {md_path}", flush=True)
-    print("\n".join(target_line(record, *t) for t in TARGETS), flush=True)
-    return record
+        adapters = self.adapters[method.family]
+        hconfig = hash_config(method, self.args, cell.slots)
+        cache = cell.caches[method.family]
+        row["hash_config"] = hconfig.describe()
+        row["signature_bytes"] = cell.batch * self.config.num_hidden_layers * adapters.config.num_key_signature_heads \
+            * cell.n * 4 * adapters.config.words
+        with patch(self.model, adapters, hconfig):
+            result = run_method(self.model, cache, cell.first_token, cell.n, self.args, self.device)
+        if not self.args.no_attention_share:
+            rewind(cache, cell.n)
+            with torch.no_grad():
+                row["attention_s_per_step"] = hash_attention_per_step(self.model, cache, adapters, hconfig, cell.n,
+                                                                      self.device, self.dtype)
+        return result
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    return Benchmark(args, argv).run()
 
 
 def first_divergence(tokens, reference) -> Optional[int]:
