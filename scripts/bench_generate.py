@@ -113,6 +113,9 @@ def parse_args(argv=None):
     parser.add_argument("--time-budget-s", type=float, default=540.0,
                         help="skip (and record) what would end after this many seconds from the start")
     parser.add_argument("--no-attention-share", action="store_true", help="skip the per-layer attention timing")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="profile this many extra decode steps per method (GPU kernel time by category, "
+                             "host-sync calls per step); 0 = off")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.method_specs = [parse_method(name) for name in args.methods.split(",") if name.strip()]
@@ -580,6 +583,67 @@ def compile_counters():
     }
 
 
+KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names
+    ("selection", ("histogram_kernel", "compact_kernel", "threshold", "radix_select", "sign_pack", "hamming", "topk")),
+    ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "softmax")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "cublas", "aten::mm", "aten::addmm",
+              "aten::bmm")),
+)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    return next((c for c, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other")
+
+
+def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mask, device, mark: bool) -> dict:
+    """Kernel time per decode step by category (and the top kernels), and host-sync runtime calls per step.
+
+    CUDA: GPU kernels. ``attention`` = attention kernels (FlashAttention / cuDNN / SDPA /
+    ``sparse_attention_kernel``), ``selection`` = HashAttention's signature packing and top-k kernels;
+    the query-signature MLP's matrix products count under ``gemm`` with the model's. CPU (smoke
+    tests): the self time of the operators instead of kernels.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    rewind(cache, valid)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        decode(forward, cache, first_token, valid, steps, full_mask, device, mark)
+    if cuda:
+        torch.cuda.synchronize()
+    categories: Dict[str, float] = {}
+    kernels, syncs = [], {}
+    for event in prof.key_averages():
+        if event.key in SYNC_CALLS:
+            syncs[event.key] = event.count / steps
+        if cuda:
+            if getattr(event, "device_type", None) != DeviceType.CUDA:
+                continue
+            micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+        else:
+            micros = event.self_cpu_time_total
+        if micros <= 0:
+            continue
+        category = kernel_category(event.key)
+        categories[category] = categories.get(category, 0.0) + micros / steps
+        kernels.append({"kernel": event.key[:160], "category": category, "us_per_step": micros / steps,
+                        "launches_per_step": event.count / steps})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    total = sum(categories.values())
+    return {
+        "steps": steps, "device": "cuda kernels" if cuda else "cpu operators (self time)",
+        "kernel_us_per_step": total, "category_us_per_step": categories,
+        "attention_and_selection_share_of_kernel_time":
+            (categories.get("attention", 0.0) + categories.get("selection", 0.0)) / total if total else None,
+        "host_sync_calls_per_step": syncs, "top_kernels": kernels[:15],
+    }
+
+
 def run_method(model, cache, first_token, valid: int, args, device):
     """Compile, warm up, rewind and time ``args.steps`` decode steps. Returns the measurements."""
     from torch._dynamo.utils import counters
@@ -607,6 +671,12 @@ def run_method(model, cache, first_token, valid: int, args, device):
         with Timer(device) as t:
             tokens = decode(forward, cache, first_token, valid, args.steps, full_mask, device, mark)
         result.update(compile_counters())
+        if args.profile_steps > 0:
+            try:
+                result["profile"] = profile_decode(forward, cache, first_token, valid, args.profile_steps, full_mask,
+                                                   device, mark)
+            except Exception as error:  # the profile is extra evidence; never lose the timing for it
+                result["profile"] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     result["decode_s"] = t.seconds
     result["ms_per_step"] = 1e3 * t.seconds / args.steps
     result["tokens_per_s"] = batch * args.steps / t.seconds

@@ -34,7 +34,7 @@ def load_record(folder):
 def test_cli_end_to_end_tiny_model(tmp_path):
     """Every (B, n, method) cell is measured; at a budget covering the cache HashAttention decodes dense's tokens."""
     methods = ["dense", "hash-query_head-full", "hash-kv_group-full", "hash-query_head-32"]
-    command = [sys.executable, SCRIPT, *TINY, "--contexts", "96", "--batches", "1,2", "--steps", "4",
+    command = [sys.executable, SCRIPT, *TINY, "--contexts", "96", "--batches", "1,2", "--steps", "4", "--profile-steps", "1",
                "--methods", ",".join(methods), "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -60,6 +60,10 @@ def test_cli_end_to_end_tiny_model(tmp_path):
         assert sparse["signature_bytes"] == batch * 2 * 4 * 96 * 4
         assert dense["kv_bytes"] == batch * 2 * 2 * 2 * 96 * 64 * 4 and dense["signature_bytes"] == 0
         assert 0 < dense["attention_share"] and 0 < sparse["attention_share"]
+        profile = sparse["profile"]
+        assert profile["kernel_us_per_step"] > 0 and profile["category_us_per_step"]["selection"] > 0
+        assert dense["profile"]["category_us_per_step"]["attention"] > 0
+        assert profile["host_sync_calls_per_step"] == {}  # the CPU has no CUDA runtime calls to count
     fills = {(f["B"], f["n"]): f for f in record["fills"]}
     assert set(fills) == {(1, 96), (2, 96)}
     assert all(f["encode_s"]["query"] > 0 and f["encode_s"]["kv"] > 0 for f in fills.values())
@@ -71,7 +75,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
 
 def test_prefill_fill_and_merge(tmp_path):
     """A real chunked prefill fills the cache; a second run of the same day merges its rows into the file."""
-    common = [*TINY, "--contexts", "80", "--batches", "2", "--steps", "3", "--out", str(tmp_path)]
+    common = [*TINY, "--contexts", "80", "--batches", "2", "--steps", "3", "--profile-steps", "0", "--out", str(tmp_path)]
     bench.main([*common, "--fill", "prefill", "--prefill-chunk", "32", "--methods", "dense,hash-kv_group-full"])
     record, _ = load_record(tmp_path)
     fill = record["fills"][0]
@@ -132,6 +136,11 @@ def test_method_names_and_memory_arithmetic():
     method = bench.parse_method("hash-kv_group-16")
     assert (method.kind, method.selection, method.sparsity, method.family) == ("hash", "kv_group", 16.0, "kv")
     assert bench.parse_method("hash-query_head-full").full
+    assert bench.kernel_category("void fast_histogram_kernel<4, 1>(SelectionParams, ...)") == "selection"
+    assert bench.kernel_category("void sparse_attention_kernel<__nv_bfloat16, 128, 8>(AttentionParams)") == "attention"
+    assert bench.kernel_category("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert bench.kernel_category("nvjet_hsh_128x64_64x4_1x2_h_bz_splitK_TNT") == "gemm"
+    assert bench.kernel_category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
     for bad in ("hash-query_head-1", "hash-rows-16", "sparse", "hash-kv_group-x"):
         with pytest.raises(ValueError, match="--methods"):
             bench.parse_method(bad)
