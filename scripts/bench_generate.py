@@ -796,6 +796,17 @@ def markdown(record: dict) -> str:
         enc = f.get("encode_s", {})
         lines.append(f"| {f['B']} | {human_n(f['n'])} | {f['fill']} | {fmt(f.get('fill_s'), '.2f')} | "
                      f"{fmt(f.get('prefill_s'), '.2f')} | {fmt(enc.get('query'), '.3f')} | {fmt(enc.get('kv'), '.3f')} |")
+    profiled = [r for r in rows if r["status"] == "ok" and "category_us_per_step" in r.get("profile", {})]
+    if profiled:
+        lines += ["", "## Profile of extra decode steps (torch.profiler; kernel µs per step)", "",
+                  "| B | n | method | all kernels | attention | selection | gemm | other | host syncs per step |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            p, c = r["profile"], r["profile"]["category_us_per_step"]
+            syncs = ", ".join(f"{k} {v:g}" for k, v in p["host_sync_calls_per_step"].items()) or "none"
+            lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {p['kernel_us_per_step']:.0f} | "
+                         + " | ".join(f"{c.get(k, 0.0):.0f}" for k in ("attention", "selection", "gemm", "other"))
+                         + f" | {syncs} |")
     lines += ["", "## Targets (issue 7)", ""]
     lines += [target_line(record, *t) for t in TARGETS]
     return "\n".join(lines)
