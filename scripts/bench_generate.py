@@ -94,9 +94,11 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compile + CUDA-graph recording)")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="comma-separated: dense, dense-hf, hash-<query_head|kv_group>-<sparsity|full>")
-    parser.add_argument("--compile", choices=("reduce-overhead", "cudagraphs", "none"), default="reduce-overhead",
+    parser.add_argument("--compile", choices=("reduce-overhead", "cudagraphs", "eager", "none"),
+                        default="reduce-overhead",
                         help="reduce-overhead: inductor + CUDA graphs; cudagraphs: CUDA graphs without inductor "
-                             "(fast compile); none: eager (CPU smoke tests)")
+                             "(fast compile); eager: dynamo trace (fullgraph) run eagerly, any device (graph-break "
+                             "check); none: plain eager (CPU smoke tests)")
     parser.add_argument("--fill", choices=("random", "prefill"), default="random")
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--dense-backend", default="auto", choices=("auto",) + DENSE_CANDIDATES_CUDA,
@@ -552,6 +554,8 @@ def make_forward(model, mode: str):
         return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     if mode == "cudagraphs":
         return torch.compile(model.forward, backend="cudagraphs", fullgraph=True)
+    if mode == "eager":
+        return torch.compile(model.forward, backend="eager", fullgraph=True)
     return model.forward
 
 
@@ -654,7 +658,7 @@ def run_method(model, cache, first_token, valid: int, args, device):
     torch._dynamo.reset()
     counters.clear()
     forward = make_forward(model, args.compile)
-    mark = args.compile != "none" and device.type == "cuda"
+    mark = args.compile in ("reduce-overhead", "cudagraphs")
     result = {}
     with torch.no_grad():
         rewind(cache, valid)
@@ -850,8 +854,8 @@ class Benchmark:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = getattr(torch, args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         self.element = torch.finfo(self.dtype).bits // 8
-        if args.compile != "none" and self.device.type != "cuda":
-            raise SystemExit("--compile reduce-overhead/cudagraphs needs a CUDA device; use --compile none on the CPU")
+        if args.compile in ("reduce-overhead", "cudagraphs") and self.device.type != "cuda":
+            raise SystemExit(f"--compile {args.compile} needs a CUDA device; use --compile none or eager on the CPU")
         torch.manual_seed(args.seed)
         register_dense_attention()
 

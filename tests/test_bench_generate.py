@@ -151,3 +151,37 @@ def test_method_names_and_memory_arithmetic():
     assert need["signatures"] == {"query": 4 * 131072 * 32 * 128, "kv": 4 * 131072 * 32 * 32}
     assert need["total"] > need["kv"] + sum(need["signatures"].values())
     assert config.rope_parameters["rope_type"] == "llama3" and config.max_position_embeddings >= 131072 + 200
+
+
+def traceable_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
+    """The same semantics for this script's packing only (equal rows and slots per sequence), without Python loops."""
+    pairs = used_k.shape[0]
+    rows, slots = max_q, max_k
+    qs = q.reshape(pairs, rows, q.shape[1], q.shape[2])
+    ks, vs = k.reshape(pairs, slots, k.shape[2]), v.reshape(pairs, slots, v.shape[2])
+    scores = torch.einsum("prhd,psd->phrs", qs.float(), ks.float()) * scale
+    last = used_k.long()[:, None] - rows + torch.arange(rows)[None, :]            # (pairs, rows) row positions
+    visible = torch.arange(slots)[None, None, :] <= (last if causal else (used_k.long() - 1)[:, None].expand(-1, rows))[
+        :, :, None]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.einsum("phrs,psd->prhd", scores.softmax(-1), vs.float())
+    return out.reshape(q.shape).to(q.dtype)
+
+
+def test_decode_traces_as_one_graph(tmp_path, monkeypatch):
+    """--compile eager: torch.compile(fullgraph=True) of the decode step (dense via the FlashAttention path, and
+    HashAttention) records no graph break, and both decode the same tokens."""
+    monkeypatch.setattr(bench, "FLASH_KERNEL", traceable_flash)
+    monkeypatch.setattr(bench, "DENSE_CANDIDATES_CUDA", ("flash-varlen",))
+    common = [*TINY, "--contexts", "64", "--batches", "2", "--steps", "3", "--profile-steps", "0",
+              "--no-attention-share", "--methods", "dense,hash-query_head-full"]
+    # On the CPU the script checks only sdpa-math; pin the dense backend to the FlashAttention path for this test.
+    monkeypatch.setattr(bench, "check_dense_backends", lambda *a, **k: [{"backend": "flash-varlen", "ok": True}])
+    traced = bench.main([*common, "--compile", "eager", "--out", str(tmp_path)])
+    traced_rows = {r["method"]: r for r in traced["rows"]}
+    for method in ("dense", "hash-query_head-full"):
+        row = traced_rows[method]
+        assert row["status"] == "ok", row.get("reason")
+        assert row["graph_breaks"] == 0 and row["unique_graphs"] == 1, row
+    assert traced_rows["dense"]["dense_backend"] == "flash-varlen"
+    assert traced_rows["hash-query_head-full"]["generated_tokens"] == traced_rows["dense"]["generated_tokens"]
