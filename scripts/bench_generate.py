@@ -867,8 +867,8 @@ class Benchmark:
         for key in ("rows", "fills", "runs", "dense_checks"):
             self.record.setdefault(key, [])
         self.record["env"] = environment(args, self.device)
-        words = [sys.argv[0]] + (list(argv) if argv is not None else sys.argv[1:])
-        command = "python " + " ".join(shlex.quote(w) for w in words)
+        words = list(argv) if argv is not None else sys.argv[1:]
+        command = "python scripts/bench_generate.py " + " ".join(shlex.quote(w) for w in words)
         print(f"{command}\n{self.record['env']}", flush=True)
 
         self.config = model_config(args, max(args.contexts) + args.steps + args.warmup + 8)
@@ -1042,7 +1042,9 @@ class Benchmark:
                 row["attention_share"] = row["attention_s_per_step"] * 1e3 / row["ms_per_step"]
             if method.kind == "dense":
                 cell.dense_tokens_per_s, cell.dense_tokens = row["tokens_per_s"], row["generated_tokens"]
-            elif cell.dense_tokens_per_s:
+            elif cell.dense_tokens_per_s is None:
+                self.dense_from_earlier_run(cell, row)
+            if method.kind != "dense" and cell.dense_tokens_per_s:
                 row["ratio_to_dense"] = row["tokens_per_s"] / cell.dense_tokens_per_s
                 row["first_divergence_from_dense"] = first_divergence(row["generated_tokens"], cell.dense_tokens)
             print(f"    {row['tokens_per_s']:.1f} tokens/s, {row['ms_per_step']:.2f} ms/step"
@@ -1063,6 +1065,15 @@ class Benchmark:
             row["method_wall_s"] = self.method_seconds[-1]
             self.save(row=row)
             release(self.device)
+
+    def dense_from_earlier_run(self, cell: Cell, row: dict) -> None:
+        """Without dense in this run, compare with a dense row of an earlier run of the day on the same cell setup."""
+        earlier = next((r for r in self.record["rows"] if r["status"] == "ok" and r["method"] == "dense"
+                        and (r["B"], r["n"], r["fill"], r["steps"]) == (cell.batch, cell.n, row["fill"], row["steps"])),
+                       None)
+        if earlier is not None:
+            cell.dense_tokens_per_s, cell.dense_tokens = earlier["tokens_per_s"], earlier["generated_tokens"]
+            row["dense_from_earlier_run"] = True
 
     def measure_dense(self, cell: Cell, method: Method, row: dict) -> dict:
         """The fastest verified backend; if it fails under compilation, the next one (the failure is recorded)."""

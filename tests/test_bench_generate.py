@@ -67,7 +67,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
     fills = {(f["B"], f["n"]): f for f in record["fills"]}
     assert set(fills) == {(1, 96), (2, 96)}
     assert all(f["encode_s"]["query"] > 0 and f["encode_s"]["kv"] > 0 for f in fills.values())
-    assert record["runs"][0]["command"].startswith("python ") and "--tiny" in record["runs"][0]["command"]
+    assert record["runs"][0]["command"].startswith("python scripts/bench_generate.py --tiny")
     text = open(md_path).read()
     assert "| 2 | 96 | hash-query_head-32 |" in text and "## Targets (issue 7)" in text
     assert "**not measured**" in text  # the 128K targets are not part of this grid
@@ -83,13 +83,20 @@ def test_prefill_fill_and_merge(tmp_path):
     rows = {r["method"]: r for r in record["rows"]}
     assert rows["hash-kv_group-full"]["generated_tokens"] == rows["dense"]["generated_tokens"]
 
+    # dense comes from the first run (same fill, same seed: the same cache and first token)
+    bench.main([*common, "--fill", "prefill", "--prefill-chunk", "32", "--methods", "hash-query_head-full"])
+    record, _ = load_record(tmp_path)
+    rows = {r["method"]: r for r in record["rows"]}
+    assert rows["hash-query_head-full"]["dense_from_earlier_run"] and rows["hash-query_head-full"]["ratio_to_dense"] > 0
+    assert rows["hash-query_head-full"]["first_divergence_from_dense"] == 3  # same random tokens, same cache
+
     bench.main([*common, "--methods", "hash-query_head-16", "--time-budget-s", "0"])
     record, _ = load_record(tmp_path)
     methods = {r["method"]: r for r in record["rows"]}
-    assert set(methods) == {"dense", "hash-kv_group-full", "hash-query_head-16"}
+    assert set(methods) == {"dense", "hash-kv_group-full", "hash-query_head-full", "hash-query_head-16"}
     assert methods["hash-query_head-16"]["status"] == "skipped"
     assert "time budget" in methods["hash-query_head-16"]["reason"]
-    assert len(record["runs"]) == 2
+    assert len(record["runs"]) == 3
 
 
 def emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
