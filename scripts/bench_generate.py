@@ -99,18 +99,21 @@ def parse_args(argv=None):
                         help="reduce-overhead: inductor + CUDA graphs; cudagraphs: CUDA graphs without inductor "
                              "(fast compile); eager: dynamo trace (fullgraph) run eagerly, any device (graph-break "
                              "check); none: plain eager (CPU smoke tests)")
-    parser.add_argument("--fill", choices=("random", "prefill"), default="random")
-    parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument("--fill", choices=("random", "prefill"), default="random",
+                        help="random: Gaussian K/V written directly (seconds); prefill: a real chunked prefill of "
+                             "random tokens (timed; ~B x n^2 attention work)")
+    parser.add_argument("--prefill-chunk", type=int, default=4096, help="tokens per prefill forward")
     parser.add_argument("--dense-backend", default="auto", choices=("auto",) + DENSE_CANDIDATES_CUDA,
                         help="dense decode attention; auto = fastest candidate that passes the float32 check")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; tiny: 2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (CPU smoke tests)")
-    parser.add_argument("--sink", type=int, default=128)
-    parser.add_argument("--local", type=int, default=128)
+    parser.add_argument("--sink", type=int, default=128, help="HashAttention sink window (tokens)")
+    parser.add_argument("--local", type=int, default=128, help="HashAttention local window (tokens)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                         help="default bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/results",
+                        help="folder of bench_generate_<YYYYMMDD>.{json,md} (merged with an earlier run of the day)")
     parser.add_argument("--fresh", action="store_true", help="do not keep rows of an earlier run of the same day")
     parser.add_argument("--time-budget-s", type=float, default=540.0,
                         help="skip (and record) what would end after this many seconds from the start")
@@ -118,9 +121,12 @@ def parse_args(argv=None):
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="profile this many extra decode steps per method (GPU kernel time by category, "
                              "host-sync calls per step); 0 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     args = parser.parse_args(argv)
-    args.method_specs = [parse_method(name) for name in args.methods.split(",") if name.strip()]
+    try:
+        args.method_specs = [parse_method(name) for name in args.methods.split(",") if name.strip()]
+    except ValueError as error:
+        parser.error(str(error))
     if not args.method_specs:
         parser.error("--methods is empty")
     for name in ("steps", "warmup", "prefill-chunk"):
@@ -856,6 +862,12 @@ class Benchmark:
         self.element = torch.finfo(self.dtype).bits // 8
         if args.compile in ("reduce-overhead", "cudagraphs") and self.device.type != "cuda":
             raise SystemExit(f"--compile {args.compile} needs a CUDA device; use --compile none or eager on the CPU")
+        if self.device.type == "cuda" and any(m.kind == "hash" for m in args.method_specs):
+            import hashattention
+
+            if not hashattention.WITH_CUDA:
+                raise SystemExit("the hashattention extension was built without CUDA kernels: rebuild it on the GPU "
+                                 "machine (make build) before benchmarking HashAttention on CUDA")
         torch.manual_seed(args.seed)
         register_dense_attention()
 
