@@ -150,3 +150,23 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--selectors", "--contexts", "--sparsities", "--tasks", "--seed", "--output-dir", "--adapters"):
         assert option in text
+
+
+@pytest.mark.parametrize("rows, keys", [(7, 7), (3, 7)])
+def test_dense_rows_match_masked_reference(rows, keys):
+    """The hook's dense rows (SDPA's causal path for a prefill, an explicit mask after cached keys)
+    equal a float64 masked softmax reference, with grouped KV heads."""
+    import torch.nn.functional as F
+
+    from hashattention.evaluation.attention_hook import _dense_attention
+
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, rows, 16, generator=g)
+    key, value = torch.randn(1, 2, keys, 16, generator=g), torch.randn(1, 2, keys, 16, generator=g)
+    out = _dense_attention(query, key, value, 0.25)
+    k, v = key.double().repeat_interleave(2, dim=1), value.double().repeat_interleave(2, dim=1)
+    logits = query.double() @ k.transpose(-1, -2) * 0.25
+    row_positions = keys - rows + torch.arange(rows)
+    logits = logits.masked_fill(torch.arange(keys)[None, :] > row_positions[:, None], float("-inf"))
+    expected = F.softmax(logits, dim=-1) @ v
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

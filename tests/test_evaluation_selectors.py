@@ -254,3 +254,24 @@ def test_state_snapshots_are_copies():
     selector.load_state(saved)
     torch.testing.assert_close(selector.state[0].sum(), torch.tensor(float(ROWS * 4)))
     assert math.isclose(float(saved[0].sum()), ROWS * 4, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("rows, keys_total", [(13, 13), (5, 17)])
+def test_h2o_dense_statistics_over_row_blocks(monkeypatch, rows, keys_total):
+    """Dense prefill statistics computed block by block (each block against only the keys it can see)
+    equal the column sums of the full causal attention, for a prefill from an empty cache
+    (rows == keys) and for dense rows after cached keys (rows < keys)."""
+    from hashattention.evaluation.selectors import h2o
+
+    monkeypatch.setattr(h2o, "_ROW_CHUNK", 4)  # several blocks, the last one partial
+    selector = prepared("h2o")
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(1, 4, rows, 64, generator=g)
+    key = torch.randn(1, 2, keys_total, 64, generator=g)
+    selector.observe_dense(0, query, key, SCALING)
+    expected = torch.zeros(4, keys_total, dtype=torch.float64)
+    for h, r in itertools.product(range(4), range(rows)):
+        p = keys_total - rows + r
+        logits = (query[0, h, r].double() @ key[0, kv_of(h), : p + 1].double().T) * SCALING
+        expected[h, : p + 1] += torch.softmax(logits, 0)
+    torch.testing.assert_close(selector.state[0][0].double(), expected, atol=1e-5, rtol=1e-5)

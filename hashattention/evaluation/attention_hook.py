@@ -70,11 +70,16 @@ def activate(run: SparseRun) -> Iterator[SparseRun]:
 def _dense_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
     """Causal SDPA for rows at the last positions; ``(B, Hq, L, D)``."""
     rows, keys = query.shape[2], key.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    if rows == keys:
+        # A prefill from an empty cache: SDPA's own causal path (no (L, N) mask to build or read;
+        # on CPU it is the flash kernel, which also skips the masked half -- ~2x faster at 8K).
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     positions = torch.arange(keys, device=query.device)
     row_positions = keys - rows + torch.arange(rows, device=query.device)
     mask = positions[None, :] <= row_positions[:, None]
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
     )
 
 
