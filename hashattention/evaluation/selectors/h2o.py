@@ -62,7 +62,7 @@ class HeavyHitterOracle(Selector):
             row_positions = keys - rows + first + torch.arange(block.shape[2], device=query.device)
             # Keys after the block's last row get probability 0 from every row of the block: leave
             # them out (a long prefill then costs half the products and exponentials).
-            seen = int(row_positions[-1]) + 1
+            seen = keys - rows + first + block.shape[2]
             logits = grouped_logits(block, key[:, :, :seen], scaling)
             logits = logits.masked_fill(positions[None, :seen] > row_positions[:, None], float("-inf"))
             acc[..., :seen] += torch.softmax(logits, dim=-1).sum(dim=2)
