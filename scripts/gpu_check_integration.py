@@ -133,26 +133,45 @@ def check_model(kind: str, args, device, dtype) -> None:
     max_len = args.context + 2 * args.steps + 8
 
     # 1. Full budget == unpatched SDPA (prefill logits of the real tokens, then decode steps).
+    # In bf16 both differ from exact attention by rounding, and a random model with sharp attention
+    # amplifies it, so the test is relative: against a float32 copy of the model (unpatched SDPA),
+    # the patched model's error must be no larger than unpatched SDPA's own (x1.5 + 1e-3).
     full = HashAttentionConfig(sink_tokens=128, local_tokens=128, budget_tokens=max_len, sparse_prompt_tokens=128,
                                selection=args.selection)
-    results = []
-    for patched in (False, True):
-        context = hashattention.patch(model, adapters, full) if patched else None
-        with torch.no_grad():
-            cache = StaticCache(config=model.config, max_cache_len=max_len)
-            full_mask = torch.cat([mask, torch.ones(2, max_len - args.context, dtype=mask.dtype, device=device)], 1)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
-            prefill = out.logits[:, -128:].float()
-            token = (out.logits if not results else results[0][0])[:, -1].argmax(-1, keepdim=True)
-            forced = results[0][1:] if results else None
-            steps, _ = run_decode(model.forward, model, cache, token, full_mask, positions[:, -1] + 1, 4, sync, forced)
-            results.append([prefill, *steps])
-        if context is not None:
-            hashattention.unpatch(model)
-    worst = max(relative_error(p, d) for p, d in zip(results[1], results[0]))
-    report(f"{kind}: full budget equals unpatched SDPA (prefill + 4 decode steps)", worst < tolerance,
-           f"max relative error {worst:.2e} (tolerance {tolerance:g})")
+
+    def full_budget_run(run_model, patched, forced):
+        context = hashattention.patch(run_model, adapters, full) if patched else None
+        try:
+            with torch.no_grad():
+                cache = StaticCache(config=run_model.config, max_cache_len=max_len)
+                full_mask = torch.cat([mask, torch.ones(2, max_len - args.context, dtype=mask.dtype, device=device)], 1)
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                out = run_model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+                prefill = out.logits[:, -128:].float()
+                token = (out.logits if forced is None else forced[0])[:, -1].argmax(-1, keepdim=True)
+                steps, _ = run_decode(run_model.forward, run_model, cache, token, full_mask, positions[:, -1] + 1, 4,
+                                      sync, None if forced is None else forced[1:])
+            return [prefill, *steps]
+        finally:
+            if context is not None:
+                hashattention.unpatch(run_model)
+
+    import copy
+
+    exact_model = copy.deepcopy(model).float() if dtype != torch.float32 else model
+    exact = full_budget_run(exact_model, False, None)
+    if exact_model is not model:
+        del exact_model
+    sdpa = full_budget_run(model, False, exact)
+    ours = full_budget_run(model, True, exact)
+    sdpa_error = max(relative_error(a, e) for a, e in zip(sdpa, exact))
+    ours_error = max(relative_error(a, e) for a, e in zip(ours, exact))
+    between = max(relative_error(a, e) for a, e in zip(ours, sdpa))
+    allowed = 1.5 * sdpa_error + 1e-3
+    report(f"{kind}: full budget as accurate as unpatched SDPA (prefill + 4 decode steps, vs float32 SDPA)",
+           ours_error <= allowed,
+           f"max relative error vs float32: ours {ours_error:.2e}, SDPA {sdpa_error:.2e} (allowed {allowed:.2e}); "
+           f"ours vs SDPA {between:.2e}")
 
     sparse = HashAttentionConfig(sink_tokens=128, local_tokens=128, sparsity=args.sparsity, sparse_prompt_tokens=128,
                                  selection=args.selection)
@@ -180,32 +199,58 @@ def check_model(kind: str, args, device, dtype) -> None:
                    f"graphs {explanation.graph_count}, graph breaks {explanation.graph_break_count}"
                    + (f" ({reasons})" if reasons else ""))
 
-            # 3. reduce-overhead (CUDA graphs) decode == eager decode.
+            # 3. reduce-overhead (CUDA graphs) decode == eager decode. Sparse selection is
+            # discontinuous: in bf16, inductor's differently rounded q/k projections can flip
+            # signature bits and so change which tokens are selected, which no tolerance covers.
+            # So the sparse comparison must pass in float32; in bf16 it is reported, and the
+            # kernels are held to the tolerance at full budget (check 3b), where selection cannot flip.
             from torch._dynamo.utils import counters
 
-            torch._dynamo.reset()
-            counters.clear()
-            if device.type == "cuda":
-                compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-            else:
-                compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
-            eager_logits, eager_times = run_decode(model.forward, model, caches[0], tokens, full_mask,
-                                                   next_positions, args.steps, sync)
-            compiled_logits, compiled_times = run_decode(compiled, model, caches[1], tokens, full_mask,
-                                                         next_positions, args.steps, sync, forced=eager_logits)
-            errors = [relative_error(c, e) for c, e in zip(compiled_logits, eager_logits)]
-            agree = sum(bool(torch.equal(c.argmax(-1), e.argmax(-1))) for c, e in zip(compiled_logits, eager_logits))
-            unique_graphs = counters["stats"]["unique_graphs"]
-            skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
-            recompiles = sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0
-            ok = max(errors) < tolerance and unique_graphs == 1 and skips == 0
-            eager_ms = 1e3 * sorted(eager_times[2:])[len(eager_times[2:]) // 2]
-            compiled_ms = 1e3 * sorted(compiled_times[2:])[len(compiled_times[2:]) // 2]
+            def compiled_vs_eager(eager_cache, compiled_cache):
+                torch._dynamo.reset()
+                counters.clear()
+                if device.type == "cuda":
+                    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+                else:
+                    compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+                eager_logits, eager_times = run_decode(model.forward, model, eager_cache, tokens, full_mask,
+                                                       next_positions, args.steps, sync)
+                compiled_logits, compiled_times = run_decode(compiled, model, compiled_cache, tokens, full_mask,
+                                                             next_positions, args.steps, sync, forced=eager_logits)
+                errors = [relative_error(c, e) for c, e in zip(compiled_logits, eager_logits)]
+                agree = sum(bool(torch.equal(c.argmax(-1), e.argmax(-1)))
+                            for c, e in zip(compiled_logits, eager_logits))
+                unique_graphs = counters["stats"]["unique_graphs"]
+                skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+                recompiles = sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0
+                eager_ms = 1e3 * sorted(eager_times[2:])[len(eager_times[2:]) // 2]
+                compiled_ms = 1e3 * sorted(compiled_times[2:])[len(compiled_times[2:]) // 2]
+                detail = (f"max relative logit error {max(errors):.2e} (per step: "
+                          f"{' '.join(f'{e:.1e}' for e in errors[:8])}...), argmax agrees {agree}/{args.steps}, "
+                          f"unique graphs {unique_graphs}, recompiles {recompiles}, cudagraph skips {skips}; "
+                          f"median step {eager_ms:.2f} ms eager vs {compiled_ms:.2f} ms compiled")
+                return max(errors), unique_graphs == 1 and skips == 0, detail
+
             mode = "reduce-overhead (CUDA graphs)" if device.type == "cuda" else "backend=eager (CPU smoke test)"
-            report(f"{kind}: compiled {mode} decode equals eager over {args.steps} teacher-forced steps", ok,
-                   f"max relative logit error {max(errors):.2e}, argmax agrees {agree}/{args.steps}, "
-                   f"unique graphs {unique_graphs}, recompiles {recompiles}, cudagraph skips {skips}; "
-                   f"median step {eager_ms:.2f} ms eager vs {compiled_ms:.2f} ms compiled")
+            error, graphs_ok, detail = compiled_vs_eager(caches[0], caches[1])
+            if dtype == torch.float32:
+                report(f"{kind}: compiled {mode} sparse decode equals eager over {args.steps} teacher-forced steps",
+                       graphs_ok and error < tolerance, detail)
+            else:
+                report(f"{kind}: compiled {mode} sparse decode runs as one CUDA graph (bf16: error reported, "
+                       f"float32 run checks it)", graphs_ok, detail)
+            hashattention.unpatch(model)
+            hashattention.patch(model, adapters, full)
+            full_caches = []
+            for _ in range(2):
+                cache = StaticCache(config=model.config, max_cache_len=max_len)
+                model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+                full_caches.append(cache)
+            error, graphs_ok, detail = compiled_vs_eager(*full_caches)
+            report(f"{kind}: compiled {mode} full-budget decode equals eager over {args.steps} teacher-forced steps",
+                   graphs_ok and error < tolerance, detail)
+            hashattention.unpatch(model)
+            hashattention.patch(model, adapters, sparse)
 
             # 4. generate(cache_implementation="static") auto-compiles on CUDA and matches eager generate.
             torch._dynamo.reset()

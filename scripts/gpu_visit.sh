@@ -39,7 +39,8 @@ if want bench; then
 fi
 if want integration; then
   el "HF integration check bf16 (both models) and float32 (llama)"
-  timeout ${INTEGRATION_SECONDS:-200} python3 scripts/gpu_check_integration.py > "$OUT/integration.log" 2>&1
+  timeout ${INTEGRATION_SECONDS:-200} python3 scripts/gpu_check_integration.py --model ${INTEGRATION_MODEL:-both} \
+    > "$OUT/integration.log" 2>&1
   echo "integration bf16 rc=$?"; grep -E "PASS|FAIL|Error|error" "$OUT/integration.log" | tail -14
   timeout ${INTEGRATION_SECONDS:-200} python3 scripts/gpu_check_integration.py --model llama --dtype float32 \
     > "$OUT/integration_fp32.log" 2>&1

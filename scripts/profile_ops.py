@@ -84,7 +84,8 @@ def profile(step, steps: int):
     totals, calls = collections.defaultdict(float), collections.defaultdict(int)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name.split("(")[0].split("<")[0].replace("void ", "")[-60:]
+            name = event.name.replace("(anonymous namespace)::", "").replace("void ", "")
+            name = name.split("(")[0].split("<")[0].split("::")[-1][:60]
             totals[name] += event.device_time if hasattr(event, "device_time") else event.cuda_time
             calls[name] += 1
     return replay_us, {name: (totals[name] / steps, calls[name] / steps) for name in totals}

@@ -28,8 +28,8 @@ struct HammingSource {
   int64_t ks0, ks1, ks2;
   int words, group, per_key;  // W, Hq / Hs, Hq / Hk
   int shared_key_head;        // 1 when all query heads of a group read the same key head
-  // 1 when four consecutive positions of a key row are one aligned 16-byte load: W == 1,
-  // contiguous positions (ks2 == 1), a shared key head, and 16-byte aligned rows.
+  // 1 when four consecutive positions of a key row are one aligned 16-byte load (used by the
+  // fast path): W == 1, contiguous positions (ks2 == 1), a shared key head, 16-byte aligned rows.
   int vector_keys;
 
   // Per-row state, valid after prepare().
@@ -74,24 +74,6 @@ struct HammingSource {
   }
 
   __device__ __forceinline__ key_t key(int64_t n) const { return static_cast<key_t>(score(n)); }
-
-  // Scores of the four positions p .. p + 3 (p a multiple of 4); a position outside [lo, hi)
-  // gets -1 (below every score). [lo, hi) must lie inside [0, N).
-  __device__ __forceinline__ void score4(int64_t p, int64_t lo, int64_t hi, int32_t (&out)[4]) const {
-    if (vector_keys && p >= lo && p + 4 <= hi) {
-      const int4 v = __ldg(reinterpret_cast<const int4*>(key_row + p));
-      const int32_t kw[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        int32_t distance = 0;
-        for (int g = 0; g < group; ++g) distance += __popc(static_cast<unsigned>(q_words[g] ^ kw[j]));
-        out[j] = 32 * group - distance;
-      }
-      return;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[j] = (p + j >= lo && p + j < hi) ? score(p + j) : -1;
-  }
 };
 
 // Order-preserving maps to unsigned keys. Floating scores: NaN -> 0 (below every number),
