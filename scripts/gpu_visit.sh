@@ -18,13 +18,13 @@ python3 -c "import hashattention as ha; assert ha.WITH_CUDA; print('WITH_CUDA')"
 XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n 14"
 
 if want tests; then
-  el "CUDA tests: selection fast path, graphs, long rows, regressions, then the rest of the CUDA grid"
-  timeout ${TEST_SECONDS:-240} python3 -m pytest tests/test_cuda_selection_chunks.py tests/test_cuda_regressions.py \
-    tests/test_cuda_graphs.py tests/test_cuda_long.py tests/test_selection.py tests/test_pipeline.py \
-    tests/test_sparse_attention.py tests/test_encode_signatures.py tests/test_hamming_scores.py tests/test_opcheck.py \
-    tests/test_bad_inputs.py -k "cuda or chunks or regressions or graphs or long or bad_input or device_mismatch" \
-    -q -rf -p no:cacheprovider -x --maxfail=20 $XDIST > "$OUT/pytest.log" 2>&1
-  echo "pytest rc=$?"; grep -E "^FAILED|^ERROR|passed|failed|crashed" "$OUT/pytest.log" | tail -25
+  el "CUDA tests (${TEST_FILES:-selection fast path, selection grid, regressions, graphs})"
+  # -v: with xdist every result line names its test, so a timeout still says what failed.
+  timeout ${TEST_SECONDS:-240} python3 -m pytest ${TEST_FILES:-tests/test_cuda_selection_chunks.py tests/test_selection.py \
+    tests/test_cuda_regressions.py tests/test_cuda_graphs.py} -k "${TEST_FILTER:-cuda or chunks or regressions or graphs}" \
+    -v -rf -p no:cacheprovider --maxfail=30 $XDIST > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; grep -E "FAILED|ERROR|passed|failed|crashed" "$OUT/pytest.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort | uniq | tail -25
+  grep -E "^E  " "$OUT/pytest.log" | head -12
 fi
 if want profile; then
   el "per-kernel profile"
@@ -49,6 +49,6 @@ fi
 if want generate; then
   el "end-to-end generate benchmark"
   timeout ${GENERATE_SECONDS:-300} python3 scripts/bench_generate.py --out "$OUT" ${GENERATE_ARGS:-} \
-    > "$OUT/generate.log" 2>&1; echo "generate rc=$?"; tail -30 "$OUT/generate.log"
+    > "$OUT/generate.log" 2>&1; echo "generate rc=$?"; tail -${GENERATE_TAIL:-30} "$OUT/generate.log"
 fi
 el done

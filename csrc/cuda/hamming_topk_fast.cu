@@ -49,12 +49,16 @@ __device__ __forceinline__ void set_coordinates(const SelectionParams& p, const 
 }
 
 // Row set state: query words of its rows in shared memory, and how to score four positions.
-template <int kRows>
+// kSingleWord (W == 1 and one key head per group): a score is a few popcounts of the loaded key
+// word. Otherwise (kRows == 1) the general HammingSource::score runs per position. The two are
+// separate instantiations so that the unrolled hot loops stay small: inlining the general score
+// into them made kernels of ~100K instructions that thrashed the instruction cache.
+template <int kRows, bool kSingleWord>
 struct RowSetScorer {
+  static_assert(kSingleWord || kRows == 1, "row sets of several rows need single-word signatures");
   HammingSource src;
   const int32_t* q;  // shared memory: kRows * group * words
   int group;
-  bool single_word;  // W == 1 and one key head per group: score from the key word directly
 
   // Copies the query words of rows s_first .. s_first + kRows - 1 to shared memory (barrier).
   __device__ __forceinline__ void prepare(int64_t b, int64_t s_first, int64_t l, int32_t* smem) {
@@ -69,16 +73,15 @@ struct RowSetScorer {
     src.s = s_first;
     q = smem;
     group = src.group;
-    single_word = src.words == 1 && src.shared_key_head;
     __syncthreads();
   }
 
   // Loads what scoring positions p .. p + 3 needs (p a multiple of 4): the four key words when
-  // single_word (one 16-byte load when all four lie in [lo, hi)). Returns the mask of positions
+  // kSingleWord (one 16-byte load when all four lie in [lo, hi)). Returns the mask of positions
   // inside [lo, hi), the only ones scored.
   __device__ __forceinline__ unsigned load(int64_t p, int64_t lo, int64_t hi, int32_t (&kw)[4]) const {
     if (p >= lo && p + 4 <= hi) {
-      if (single_word) {
+      if constexpr (kSingleWord) {
         if (src.vector_keys) {
           const int4 v = __ldg(reinterpret_cast<const int4*>(src.key_row + p));
           kw[0] = v.x, kw[1] = v.y, kw[2] = v.z, kw[3] = v.w;
@@ -93,7 +96,7 @@ struct RowSetScorer {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const bool inside = p + j >= lo && p + j < hi;
-      kw[j] = (inside && single_word) ? __ldg(src.key_row + (p + j) * src.ks2) : 0;
+      kw[j] = (kSingleWord && inside) ? __ldg(src.key_row + (p + j) * src.ks2) : 0;
       valid |= unsigned(inside) << j;
     }
     return valid;
@@ -101,12 +104,14 @@ struct RowSetScorer {
 
   // Score of row r at position p + j, given load()'s words.
   __device__ __forceinline__ int32_t score(int r, int64_t p, int j, const int32_t (&kw)[4]) const {
-    if (single_word) {
+    if constexpr (kSingleWord) {
       int32_t distance = 0;
+#pragma unroll 1
       for (int g = 0; g < group; ++g) distance += __popc(static_cast<unsigned>(q[r * group + g] ^ kw[j]));
       return 32 * group - distance;
+    } else {
+      return src.score(p + j);
     }
-    return src.score(p + j);  // general layouts: kRows == 1
   }
 };
 
@@ -115,7 +120,7 @@ struct RowSetScorer {
 //   kPacked:   per thread, four 8-bit counters per word, [row][word][thread] (conflict-free);
 //   kPerWarp:  one histogram per (row, warp), shared-memory atomics;
 //   kPerBlock: one histogram per row, shared-memory atomics.
-template <int kRows, int kMode>
+template <int kRows, int kMode, bool kSingleWord>
 __global__ void __launch_bounds__(kThreads)
     fast_histogram_kernel(SelectionParams p, HammingSource src, FastLayout layout, int32_t* histograms) {
   extern __shared__ int32_t smem[];
@@ -133,21 +138,22 @@ __global__ void __launch_bounds__(kThreads)
   const int counters = kMode == kPacked ? kRows * words * kThreads : (kMode == kPerWarp ? kRows * bins * kWarps
                                                                                          : kRows * bins);
   for (int i = threadIdx.x; i < counters; i += kThreads) smem[i] = 0;
-  RowSetScorer<kRows> scorer{src};
+  RowSetScorer<kRows, kSingleWord> scorer{src};
   scorer.prepare(b, s_set * kRows, l, smem + counters);  // ends with a barrier
   uint32_t* packed = reinterpret_cast<uint32_t*>(smem);
+  constexpr int kBatch = kSingleWord ? kLoadBatch : 1;  // general scores are long: no unrolled copies
   const int warp = threadIdx.x >> 5;
   const int64_t first_group = (lo - base) >> 2, end_group = ((hi - 1 - base) >> 2) + 1;
-  for (int64_t g0 = first_group + threadIdx.x; g0 < end_group; g0 += int64_t(kLoadBatch) * kThreads) {
-    int32_t kw[kLoadBatch][4];
-    unsigned valid[kLoadBatch];
+  for (int64_t g0 = first_group + threadIdx.x; g0 < end_group; g0 += int64_t(kBatch) * kThreads) {
+    int32_t kw[kBatch][4];
+    unsigned valid[kBatch];
 #pragma unroll
-    for (int i = 0; i < kLoadBatch; ++i) {  // all loads first: several in flight per thread
+    for (int i = 0; i < kBatch; ++i) {  // all loads first: several in flight per thread
       const int64_t g = g0 + int64_t(i) * kThreads;
       valid[i] = g < end_group ? scorer.load(base + 4 * g, lo, hi, kw[i]) : 0u;
     }
 #pragma unroll
-    for (int i = 0; i < kLoadBatch; ++i) {
+    for (int i = 0; i < kBatch; ++i) {
       const int64_t position = base + 4 * (g0 + int64_t(i) * kThreads);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -201,7 +207,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- kernel 2: thresholds, offsets and ordered compaction ----------------------------------
-template <int kRows>
+template <int kRows, bool kSingleWord>
 __global__ void __launch_bounds__(kThreads)
     fast_compact_kernel(SelectionParams p, HammingSource src, FastLayout layout, const int32_t* histograms) {
   extern __shared__ int32_t smem[];
@@ -253,7 +259,7 @@ __global__ void __launch_bounds__(kThreads)
     totals[i] = total;
     before[i] = earlier;
   }
-  RowSetScorer<kRows> scorer{src};
+  RowSetScorer<kRows, kSingleWord> scorer{src};
   scorer.prepare(b, s_set * kRows, l, q_words);  // ends with a barrier
 
   // 2. Per row (one warp each): threshold T, ties to drop, this chunk's output offset and skip.
@@ -307,19 +313,20 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t per_warp = ceil_div(ceil_div(end_group - first_group, int64_t(kWarps)), int64_t(32)) * 32;
   const int64_t seg_begin = min64(first_group + warp * per_warp, end_group);
   const int64_t seg_end = min64(seg_begin + per_warp, end_group);
+  constexpr int kBatch = kSingleWord ? kLoadBatch : 1;
   unsigned better[kRows], ties[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) better[r] = ties[r] = 0;
-  for (int64_t g0 = seg_begin + lane; g0 < seg_end; g0 += 32 * kLoadBatch) {
-    int32_t kw[kLoadBatch][4];
-    unsigned valid[kLoadBatch];
+  for (int64_t g0 = seg_begin + lane; g0 < seg_end; g0 += 32 * kBatch) {
+    int32_t kw[kBatch][4];
+    unsigned valid[kBatch];
 #pragma unroll
-    for (int i = 0; i < kLoadBatch; ++i) {
+    for (int i = 0; i < kBatch; ++i) {
       const int64_t g = g0 + 32 * i;
       valid[i] = g < seg_end ? scorer.load(base + 4 * g, lo, hi, kw[i]) : 0u;
     }
 #pragma unroll
-    for (int i = 0; i < kLoadBatch; ++i) {
+    for (int i = 0; i < kBatch; ++i) {
       const int64_t g = g0 + 32 * i;
       if (g >= seg_end) continue;
 #pragma unroll
@@ -402,7 +409,7 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
   }
 }
 
-template <int kRows>
+template <int kRows, bool kSingleWord>
 void launch_row_sets(const SelectionParams& p, const HammingSource& src, int64_t sequences_rows, int bins,
                      const at::Tensor& like) {
   const int64_t sets = sequences_rows / kRows;  // (B * Hs * L) / kRows row sets
@@ -413,7 +420,7 @@ void launch_row_sets(const SelectionParams& p, const HammingSource& src, int64_t
   int64_t chunks = std::max<int64_t>(1, ceil_div(2 * int64_t(multiprocessor_count()), sets));
   int64_t chunk = ceil_div(ceil_div(p.keys, chunks), kChunkQuantum) * kChunkQuantum;
   chunk = std::min(std::max<int64_t>(chunk, kChunkQuantum), max_chunk);
-  chunks = ceil_div(p.keys, chunk);
+  chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));  // N = 0: one chunk writes the empty rows
   TORCH_CHECK(chunks <= 65535, "hamming_topk: ", as_text(p.keys), " keys are more than the selection grid handles");
   const FastLayout layout{chunk, chunks, bins, static_cast<int>(p.heads / kRows)};
 
@@ -436,20 +443,20 @@ void launch_row_sets(const SelectionParams& p, const HammingSource& src, int64_t
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(sets), static_cast<unsigned>(chunks));
   if (mode == kPacked) {
-    allow_shared_memory(fast_histogram_kernel<kRows, kPacked>, hist_smem);
-    fast_histogram_kernel<kRows, kPacked><<<grid, kThreads, hist_smem, stream>>>(p, src, layout, histograms);
+    allow_shared_memory(fast_histogram_kernel<kRows, kPacked, kSingleWord>, hist_smem);
+    fast_histogram_kernel<kRows, kPacked, kSingleWord><<<grid, kThreads, hist_smem, stream>>>(p, src, layout, histograms);
   } else if (mode == kPerWarp) {
-    allow_shared_memory(fast_histogram_kernel<kRows, kPerWarp>, hist_smem);
-    fast_histogram_kernel<kRows, kPerWarp><<<grid, kThreads, hist_smem, stream>>>(p, src, layout, histograms);
+    allow_shared_memory(fast_histogram_kernel<kRows, kPerWarp, kSingleWord>, hist_smem);
+    fast_histogram_kernel<kRows, kPerWarp, kSingleWord><<<grid, kThreads, hist_smem, stream>>>(p, src, layout, histograms);
   } else if constexpr (kRows == 1) {  // row sets of several rows always fit per-warp histograms
-    allow_shared_memory(fast_histogram_kernel<kRows, kPerBlock>, hist_smem);
-    fast_histogram_kernel<kRows, kPerBlock><<<grid, kThreads, hist_smem, stream>>>(p, src, layout, histograms);
+    allow_shared_memory(fast_histogram_kernel<kRows, kPerBlock, kSingleWord>, hist_smem);
+    fast_histogram_kernel<kRows, kPerBlock, kSingleWord><<<grid, kThreads, hist_smem, stream>>>(p, src, layout, histograms);
   } else {
     TORCH_CHECK(false, "hamming_topk: internal error: row set histograms exceed shared memory");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  allow_shared_memory(fast_compact_kernel<kRows>, compact_smem);
-  fast_compact_kernel<kRows><<<grid, kThreads, compact_smem, stream>>>(p, src, layout, histograms);
+  allow_shared_memory(fast_compact_kernel<kRows, kSingleWord>, compact_smem);
+  fast_compact_kernel<kRows, kSingleWord><<<grid, kThreads, compact_smem, stream>>>(p, src, layout, histograms);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -470,10 +477,11 @@ void launch_hamming_topk_fast(const SelectionParams& p, const HammingSource& src
       }
     }
   }
+  if (!(src.words == 1 && src.shared_key_head)) return launch_row_sets<1, false>(p, src, row_count, bins, like);
   switch (rows_per_set) {
-    case 4: return launch_row_sets<4>(p, src, row_count, bins, like);
-    case 2: return launch_row_sets<2>(p, src, row_count, bins, like);
-    default: return launch_row_sets<1>(p, src, row_count, bins, like);
+    case 4: return launch_row_sets<4, true>(p, src, row_count, bins, like);
+    case 2: return launch_row_sets<2, true>(p, src, row_count, bins, like);
+    default: return launch_row_sets<1, true>(p, src, row_count, bins, like);
   }
 }
 

@@ -51,20 +51,25 @@ struct HammingSource {
     __syncthreads();
   }
 
+  // Loops are kept rolled: this is inlined into unrolled kernel loops, and unrolling it there
+  // multiplied the code size past the instruction cache.
   __device__ __forceinline__ int32_t score(int64_t n) const {
     int32_t distance = 0;
     if (shared_key_head) {
       const int32_t* kr = key_row + n * ks2;
       if (words == 1) {
         const int32_t kw = kr[0];
+#pragma unroll 1
         for (int g = 0; g < group; ++g) distance += __popc(static_cast<unsigned>(q_words[g] ^ kw));
       } else {
+#pragma unroll 1
         for (int w = 0; w < words; ++w) {
           const int32_t kw = kr[w];
           for (int g = 0; g < group; ++g) distance += __popc(static_cast<unsigned>(q_words[g * words + w] ^ kw));
         }
       }
     } else {
+#pragma unroll 1
       for (int g = 0; g < group; ++g) {
         const int32_t* kr = k + b * ks0 + ((s * group + g) / per_key) * ks1 + n * ks2;
         for (int w = 0; w < words; ++w) distance += __popc(static_cast<unsigned>(q_words[g * words + w] ^ kr[w]));
