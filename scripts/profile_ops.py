@@ -41,10 +41,13 @@ def build_step(n: int, batch: int, sparsity: int, selection: str):
     """Inputs and a closure running select + attend once (what one layer's decode step launches)."""
     device = "cuda"
     g = torch.Generator(device=device).manual_seed(0)
-    sig_heads = QUERY_HEADS if selection == "query_head" else KV_HEADS
+    # query_head: signatures of queries and keys per query head (the paper); kv_group: the 32 query
+    # signatures select per KV head against key signatures per KV head.
     selection_heads = QUERY_HEADS if selection == "query_head" else KV_HEADS
-    q_sig = torch.randint(-2**31, 2**31 - 1, (batch, sig_heads, 1, 1), generator=g, device=device, dtype=torch.int32)
-    k_sig = torch.randint(-2**31, 2**31 - 1, (batch, KV_HEADS, n, 1), generator=g, device=device, dtype=torch.int32)
+    key_sig_heads = QUERY_HEADS if selection == "query_head" else KV_HEADS
+    q_sig = torch.randint(-2**31, 2**31 - 1, (batch, QUERY_HEADS, 1, 1), generator=g, device=device, dtype=torch.int32)
+    k_sig = torch.randint(-2**31, 2**31 - 1, (batch, key_sig_heads, n, 1), generator=g, device=device,
+                          dtype=torch.int32)
     query = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
     keys = torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
     values = torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
