@@ -81,6 +81,14 @@ def sample_query_positions(config: TrainConfig, split: str, index: int) -> torch
     return (picked + first).sort().values
 
 
+def sequence_position_offset(config: TrainConfig, split: str, index: int) -> int:
+    """Position of a sequence's first token, in ``[0, max_position_offset]``; a pure function of (seed, split, index)."""
+    if config.max_position_offset == 0:
+        return 0
+    generator = torch.Generator().manual_seed(config.seed * 104_729 + SPLIT_SEED_OFFSET[split] * 31 + index)
+    return int(torch.randint(0, config.max_position_offset + 1, (1,), generator=generator))
+
+
 def shard_path(config: TrainConfig, split: str, index: int) -> str:
     return os.path.join(config.work_dir, "shards", split, f"{index:05d}.safetensors")
 
@@ -92,7 +100,9 @@ def shard_paths(config: TrainConfig, split: str) -> List[str]:
 
 COLLECTION_FIELDS = ("model", "tokenizer", "dataset", "corpus", "validation_modulus", "document_tokens", "sequence_tokens",
                      "queries_per_sequence", "query_start_fraction", "shard_dtype", "seed", "sink_tokens",
-                     "local_tokens", "top_k")
+                     "local_tokens", "top_k", "max_position_offset")
+# Fields added after manifests were first written, with the value older manifests imply.
+COLLECTION_FIELD_DEFAULTS = {"max_position_offset": 0}
 
 
 def _check_manifest(config: TrainConfig) -> None:
@@ -101,7 +111,7 @@ def _check_manifest(config: TrainConfig) -> None:
     wanted = {name: getattr(config, name) for name in COLLECTION_FIELDS}
     if os.path.exists(path):
         with open(path) as f:
-            found = json.load(f)
+            found = {**COLLECTION_FIELD_DEFAULTS, **json.load(f)}
         if found != json.loads(json.dumps(wanted)):
             raise ValueError(f"{path} was written with other collection settings {found}; use another work_dir")
     else:
@@ -136,14 +146,17 @@ def collect(config: TrainConfig, context: DistributedContext) -> None:
         positions = sample_query_positions(config, split, index)
         recorder = Recorder(positions, dtype)
         _active_recorder = recorder
+        tokens = sequences[split][index][None]
+        offset = sequence_position_offset(config, split, index)
+        position_ids = torch.arange(offset, offset + tokens.shape[1])[None]
         try:
             with torch.no_grad():
                 # The decoder alone: the LM head (the largest matmul of a small model) is not needed.
-                base(input_ids=sequences[split][index][None], use_cache=False)
+                base(input_ids=tokens, position_ids=position_ids, use_cache=False)
         finally:
             _active_recorder = None
         tensors = {"query_positions": positions, **recorder.tensors}
-        metadata = {"split": split, "index": str(index)}
+        metadata = {"split": split, "index": str(index), "position_offset": str(offset)}
         atomic_write(shard_path(config, split, index), lambda p: save_file(tensors, p, metadata))
         log.info("collect: wrote %s", shard_path(config, split, index))
     context.barrier()

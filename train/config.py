@@ -46,6 +46,10 @@ class TrainConfig:
     validation_sequences: int = 8
     queries_per_sequence: int = 256
     query_start_fraction: float = 0.5  # queries are sampled among positions >= fraction * sequence_tokens
+    # Each sequence runs at positions offset .. offset + sequence_tokens - 1, offset drawn in
+    # [0, max_position_offset]: RoPE rotates the captured queries and keys by the offset while their
+    # dot products (the labels) stay the same, so short sequences teach signatures for late positions.
+    max_position_offset: int = 0
     shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
     # labels
     top_k: int = 32
@@ -88,7 +92,7 @@ class TrainConfig:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("train_sequences", "validation_sequences", "sink_tokens", "local_tokens", "threads",
-                     "document_tokens"):
+                     "document_tokens", "max_position_offset"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.query_start_fraction < 1.0:
@@ -164,6 +168,8 @@ HELP = {
     "queries_per_sequence": "query positions sampled per sequence",
     "query_start_fraction": "queries are sampled among positions >= fraction * sequence_tokens",
     "shard_dtype": "storage dtype of captured queries/keys: float32 or bfloat16",
+    "max_position_offset": "run each sequence at a random position offset in [0, N] (RoPE augmentation: "
+                           "adapters that work beyond sequence_tokens)",
     "top_k": "labels: the true top-k keys by the target score",
     "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
     "local_tokens": "local window (latest tokens), excluded from labels and always selected",
