@@ -68,3 +68,17 @@ def assert_close_verbose(actual, expected, *, what="", **tolerance):
         raise AssertionError(
             f"{what}: worst element {worst}: got {actual64[worst].item()}, expected {expected64[worst].item()}\n{error}"
         ) from None
+
+
+def capture_cuda_graph(fn):
+    """Warm up `fn` on a side stream, capture it in a CUDA graph; returns (graph, static outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs

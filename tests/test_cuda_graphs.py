@@ -9,25 +9,11 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import generator_for, random_signatures
+from conftest import capture_cuda_graph, generator_for, random_signatures
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
 )
-
-
-def capture(fn):
-    """Warm up `fn` on a side stream, capture it in a CUDA graph; returns (graph, static outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
 
 
 def assert_equal_outputs(got, expected, what):
@@ -73,7 +59,7 @@ def test_select_and_attend_graph_replays_with_new_inputs(group_shared, keys):
         return indices, counts, out, lse
 
     fill()
-    graph, static_outputs = capture(step)
+    graph, static_outputs = capture_cuda_graph(step)
     for replay in range(3):
         fill()
         graph.replay()
@@ -113,7 +99,7 @@ def test_paged_attention_graph_replays_with_new_block_table():
                                    block_table=block_table)
 
     fill()
-    graph, static_outputs = capture(step)
+    graph, static_outputs = capture_cuda_graph(step)
     for replay in range(3):
         fill()
         graph.replay()
@@ -143,7 +129,7 @@ def test_encode_pack_and_scores_graph_replays():
         return (signatures, packed, scores, *selected)
 
     fill()
-    graph, static_outputs = capture(step)
+    graph, static_outputs = capture_cuda_graph(step)
     for replay in range(3):
         fill()
         graph.replay()

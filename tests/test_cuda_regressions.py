@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import ATTENTION_TOLERANCE, assert_close_verbose, generator_for, random_signatures
+from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
@@ -118,19 +118,6 @@ def test_prefill_chunk_of_128_rows_left_padded_static_buffer(heavy):
                          what=f"prefill attention ({heavy})", **ATTENTION_TOLERANCE[DTYPE])
 
 
-def capture(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
-
-
 @pytest.mark.parametrize("heavy", sorted(BUDGETS))
 def test_decode_graph_replays_match_eager_and_reference(heavy):
     g = generator_for("decode-graph", heavy)
@@ -155,7 +142,7 @@ def test_decode_graph_replays_match_eager_and_reference(heavy):
         lengths.fill_(PROMPT + 1 + step_index)
 
     fill(0)
-    graph, static = capture(step)
+    graph, static = capture_cuda_graph(step)
     for step_index in range(4):
         fill(step_index)
         graph.replay()

@@ -62,18 +62,9 @@ struct RowSetScorer {
 
   // Copies the query words of rows s_first .. s_first + kRows - 1 to shared memory (barrier).
   __device__ __forceinline__ void prepare(int64_t b, int64_t s_first, int64_t l, int32_t* smem) {
-    const int per_row = src.group * src.words;
-    for (int i = threadIdx.x; i < kRows * per_row; i += blockDim.x) {
-      const int r = i / per_row, gw = i % per_row, g = gw / src.words, w = gw % src.words;
-      smem[i] = src.q[b * src.qs0 + ((s_first + r) * src.group + g) * src.qs1 + l * src.qs2 + w];
-    }
-    src.q_words = smem;
-    src.key_row = src.k + b * src.ks0 + ((s_first * src.group) / src.per_key) * src.ks1;
-    src.b = b;
-    src.s = s_first;
+    src.prepare(b, s_first, l, smem, kRows);
     q = smem;
     group = src.group;
-    __syncthreads();
   }
 
   // Loads what scoring positions p .. p + 3 needs (p a multiple of 4): the four key words when

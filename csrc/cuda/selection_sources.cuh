@@ -37,14 +37,15 @@ struct HammingSource {
   const int32_t* key_row;  // key head of the group's first query head, at token 0
   int64_t b, s;
 
-  static constexpr int shared_words(int group, int words) { return group * words; }
-
-  __device__ __forceinline__ void prepare(int64_t b_, int64_t s_, int64_t l, int32_t* smem) {
+  // Copies the query words of `rows` consecutive selection heads s_ .. s_ + rows - 1 (their query
+  // heads are consecutive too) to shared memory; row r's words start at r * group * words. The
+  // key row is that of the first head: callers pass rows > 1 only when all of them share it.
+  __device__ __forceinline__ void prepare(int64_t b_, int64_t s_, int64_t l, int32_t* smem, int rows = 1) {
     b = b_;
     s = s_;
-    for (int i = threadIdx.x; i < group * words; i += blockDim.x) {
-      const int g = i / words, w = i % words;
-      smem[i] = q[b * qs0 + (s * group + g) * qs1 + l * qs2 + w];
+    for (int i = threadIdx.x; i < rows * group * words; i += blockDim.x) {
+      const int head = i / words, w = i % words;  // query head s * group + head
+      smem[i] = q[b * qs0 + (s * group + head) * qs1 + l * qs2 + w];
     }
     q_words = smem;
     key_row = k + b * ks0 + ((s * group) / per_key) * ks1;
@@ -146,8 +147,6 @@ struct TensorSource {
   const scalar_t* data;
   int64_t s0, s1, s2, s3;
   const scalar_t* row_data;
-
-  static constexpr int shared_words(int, int) { return 0; }
 
   __device__ __forceinline__ void prepare(int64_t b, int64_t s, int64_t l, int32_t*) {
     row_data = data + b * s0 + s * s1 + l * s2;
