@@ -1,6 +1,6 @@
 """Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see scripts/gpu_check.sh).
 
-Covers each kernel path once or twice: sign-and-pack, Hamming scores, the chunked fast path and
+Covers each kernel path once or twice: the fused and the cuBLAS encoder, sign-and-pack, Hamming scores, the chunked fast path and
 the radix-select path of hamming_topk, topk_from_scores, sparse_attention with one and with
 several splits, HF and paged layouts, with counts and without. Results are compared with the
 CPU kernels so the run also fails on wrong answers. Prints OK at the end.
@@ -20,7 +20,9 @@ def main():
     x = torch.randn(2, 3, 5, 64, generator=g)
     weights = [torch.randn(3, 64, 32, generator=g), torch.randn(3, 32, 64, generator=g)]
     biases = [torch.randn(3, 32, generator=g), torch.randn(3, 64, generator=g)]
-    ha.encode_signatures(x.cuda(), [w.cuda() for w in weights], [b.cuda() for b in biases])
+    ha.encode_signatures(x.cuda(), [w.cuda() for w in weights], [b.cuda() for b in biases])  # fused (10 rows)
+    x_long = torch.randn(2, 3, 40, 64, generator=g)  # 80 rows per head: the cuBLAS path
+    ha.encode_signatures(x_long.cuda(), [w.cuda() for w in weights], [b.cuda() for b in biases])
     values = torch.randn(7, 96, generator=g)
     assert torch.equal(ha.pack_signs(values.cuda()).cpu(), ha.pack_signs(values))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|bench|integration|generate|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|memcheck|bench|integration|generate|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -30,6 +30,18 @@ if want profile; then
   el "per-kernel profile"
   timeout 90 python3 scripts/profile_ops.py --n 32768 131072 524288 > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
   cat "$OUT/profile.log" | head -60
+fi
+if want ncu; then
+  el "Nsight Compute counters of the selection, attention and encoder kernels (128K, per query head)"
+  timeout ${NCU_SECONDS:-120} ncu --clock-control none -k "regex:${NCU_KERNELS:-fast_|fused_mlp|sparse_attention}" \
+    --set detailed -c ${NCU_COUNT:-8} python3 scripts/profile_ops.py --n ${NCU_N:-131072} --selection query_head \
+    --eager 2 --encode-batches 1 > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?"
+  grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|L2 Hit" "$OUT/ncu.txt" | head -60
+fi
+if want memcheck; then
+  el "compute-sanitizer memcheck"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${MEMCHECK_SECONDS:-150} compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 scripts/cuda_memcheck_smoke.py > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -5 "$OUT/memcheck.log"
 fi
 if want bench; then
   el "decode benchmark B=1"

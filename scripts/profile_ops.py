@@ -6,6 +6,10 @@ mean duration over the profiled steps, and the gap between launches that a graph
 
     python scripts/profile_ops.py                      # Llama-3.1-8B layer shapes, B = 1, 32x
     python scripts/profile_ops.py --n 32768 131072 --sparsity 32 --selection query_head kv_group
+    ncu --clock-control none -k regex:fast_ python scripts/profile_ops.py --n 131072 --eager 3  # hardware counters
+
+The encoder of one decode step (a new query or key row per head: `encode_signatures` on
+(B, 32, 1, 128) with bf16 MLP weights 128 -> 128 -> 32) is profiled the same way (--encode-batches).
 
 Shapes follow bench_decode.py: 32 query heads, 8 KV heads, D = 128, bf16, sink = local = 128,
 one signature word (32 bits) per head. Prints one table per configuration.
@@ -34,6 +38,10 @@ def parse_args():
     parser.add_argument("--selection", nargs="+", default=["query_head", "kv_group"],
                         choices=("query_head", "kv_group"))
     parser.add_argument("--steps", type=int, default=20, help="profiled graph replays")
+    parser.add_argument("--encode-batches", type=int, nargs="*", default=[1, 4],
+                        help="batch sizes of the decode-step encoder profile (none: skip it)")
+    parser.add_argument("--eager", type=int, default=0,
+                        help="instead of profiling, run each step this many times eagerly (for ncu)")
     return parser.parse_args()
 
 
@@ -59,6 +67,31 @@ def build_step(n: int, batch: int, sparsity: int, selection: str):
         return ha.sparse_attention(query, keys, values, indices, counts, scale=HEAD_DIM**-0.5)
 
     return step
+
+
+def build_encode_step(batch: int):
+    """One decode step's query-side encoding: a row per query head through a 128 -> 128 -> 32 MLP."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(batch, 1, QUERY_HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    sizes = (HEAD_DIM, 128, 32)
+    weights = [torch.randn(QUERY_HEADS, i, o, generator=g, device="cuda").mul(i**-0.5).to(torch.bfloat16)
+               for i, o in zip(sizes[:-1], sizes[1:])]
+    biases = [torch.zeros(QUERY_HEADS, o, device="cuda", dtype=torch.bfloat16) for o in sizes[1:]]
+    return lambda: ha.encode_signatures(x, weights, biases, "silu")
+
+
+def report(title: str, step, args) -> None:
+    if args.eager:
+        for _ in range(args.eager):
+            step()
+        torch.cuda.synchronize()
+        print(f"{title}: ran {args.eager} eager steps")
+        return
+    replay_us, kernels = profile(step, args.steps)
+    busy = sum(t for t, _ in kernels.values())
+    print(f"\n{title}: graph replay {replay_us:.1f} us, kernels busy {busy:.1f} us, launch gaps {replay_us - busy:.1f} us")
+    for name, (us, per_step) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {us:8.1f} us  x{per_step:.0f}  {name}")
 
 
 def profile(step, steps: int):
@@ -102,12 +135,9 @@ def main():
     for selection in args.selection:
         for sparsity in args.sparsity:
             for n in args.n:
-                replay_us, kernels = profile(build_step(n, args.batch, sparsity, selection), args.steps)
-                busy = sum(t for t, _ in kernels.values())
-                print(f"\n{selection}, B={args.batch}, n={n}, {sparsity}x: graph replay {replay_us:.1f} us, "
-                      f"kernels busy {busy:.1f} us, launch gaps {replay_us - busy:.1f} us")
-                for name, (us, per_step) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-                    print(f"  {us:8.1f} us  x{per_step:.0f}  {name}")
+                report(f"{selection}, B={args.batch}, n={n}, {sparsity}x", build_step(n, args.batch, sparsity, selection), args)
+    for batch in args.encode_batches:
+        report(f"encode (query side of a decode step), B={batch}", build_encode_step(batch), args)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,48 @@ def test_encode_non_contiguous_input(device):
     check_bits(ha.encode_signatures(x, weights, biases), pre_sign, MARGIN[(device, torch.float32)])
 
 
+# On CUDA, up to 64 rows per head (batch * tokens) run through one fused kernel, in blocks of 8
+# rows, with layers up to 1024 wide and one weight dtype; anything else takes the cuBLAS path.
+# These shapes sit on both sides of each of those limits.
+@pytest.mark.parametrize(
+    "batch,tokens,sizes,weight_dtype",
+    [
+        (1, 1, (128, 128, 32), torch.bfloat16),  # a decode step of the shipped layout
+        (4, 1, (128, 128, 32), torch.bfloat16),
+        (3, 3, (64, 96, 64), torch.float32),  # 9 rows: a second block of rows, a partial one
+        (8, 8, (64, 128, 32), torch.float16),  # 64 rows: the last fused size
+        (5, 13, (64, 128, 32), torch.float16),  # 65 rows: cuBLAS
+        (2, 1, (256, 1024, 64), torch.float32),  # the widest fused layer, a wider input
+        (2, 1, (64, 1025, 32), torch.float32),  # too wide: cuBLAS
+        (1, 2, (64,) + (40,) * 8 + (32,), torch.float32),  # 9 layers: cuBLAS
+        (1, 2, (64,) + (40,) * 7 + (32,), torch.float32),  # 8 layers: fused
+    ],
+)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "tanh"])
+def test_encode_few_rows_matches_reference(device, batch, tokens, sizes, weight_dtype, x_dtype, activation):
+    heads = 3
+    g = generator_for("encode-few", device, batch, tokens, sizes, weight_dtype, x_dtype, activation)
+    # A strided (B, H, N, D) view, as the query of an attention layer: (B, N, H, D) transposed.
+    x = torch.randn(batch, tokens, heads, sizes[0], generator=g).to(x_dtype).to(device).transpose(1, 2)
+    weights, biases = make_mlp(heads, list(sizes), g, weight_dtype, device)
+    signatures = ha.encode_signatures(x, weights, biases, activation)
+    assert signatures.shape == (batch, heads, tokens, sizes[-1] // 32)
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases], activation)
+    check_bits(signatures, pre_sign, MARGIN[(device, x_dtype)])
+
+
+def test_encode_mixed_weight_dtypes(device):
+    """Layers in different dtypes (the fused CUDA kernel takes one dtype) still encode correctly."""
+    g = generator_for("encode-mixed-layers", device)
+    x = torch.randn(2, 4, 1, 64, generator=g).to(device)
+    w0, b0 = make_mlp(4, [64, 128], g, torch.float32, device)
+    w1, b1 = make_mlp(4, [128, 32], g, torch.bfloat16, device)
+    weights, biases = w0 + w1, b0 + b1
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases])
+    check_bits(ha.encode_signatures(x, weights, biases), pre_sign, MARGIN[(device, torch.float32)])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", [(64,), (3, 32), (2, 5, 7, 128), (0, 32)])
 def test_pack_signs_matches_reference(device, dtype, shape):

@@ -1,7 +1,8 @@
 // CUDA kernels of `encode_signatures`, `pack_signs` and `hamming_scores`.
 //
-// Encoding: the per-head MLP runs as batched matrix products through ATen (cuBLAS) in float32
-// -- the same arithmetic as the CPU kernel, so bits differ only where a pre-sign value is
+// Encoding of few rows (a decode step: batch * tokens <= 64 per head) runs in one fused
+// kernel (encode_fused.cu). Otherwise the per-head MLP runs as batched matrix products through
+// ATen (cuBLAS) in float32 -- the same arithmetic as the CPU kernel, so bits differ only where a pre-sign value is
 // within float32 summation-order error of 0 -- and the last layer's bias add, the sign and the
 // packing are fused into one kernel: each warp reads 32 consecutive outputs (one 128-byte
 // coalesced load) and a warp ballot turns their signs into the int32 word.
@@ -11,6 +12,7 @@
 
 #include "checks.h"
 #include "cuda_common.cuh"
+#include "encode_fused.h"
 #include "mlp_activation.h"
 #include "op_arguments.h"
 #include "outputs.h"
@@ -101,6 +103,11 @@ at::Tensor encode_signatures_cuda(const at::Tensor& x, at::TensorList weights, a
   const std::string activation(activation_view);
   const EncodeDims dims = check_encode_args(x, weights.vec(), biases.vec(), activation);
   const c10::cuda::CUDAGuard guard(x.device());
+  if (fused_encode_applies(x, weights, biases)) {
+    at::Tensor out = new_output({dims.batch, dims.heads, dims.tokens, dims.words}, x.options().dtype(at::kInt));
+    encode_fused_cuda(x, weights, biases, activation, out);
+    return out;
+  }
   at::Tensor h = x.to(at::kFloat);  // (B, H, N, in)
   const size_t layers = weights.size();
   for (size_t i = 0; i < layers; ++i) {
