@@ -2,16 +2,19 @@
 //
 // A decode step encodes one new query and one new key row per head and sequence. Through ATen
 // that is a chain of ~10 small kernels per call (dtype casts of the input and the weights,
-// one batched matmul per layer, bias adds, the activation, the sign-and-pack kernel), each a
-// few microseconds of launch latency inside a CUDA graph. Here one block per (head, group of
-// up to kRowsPerBlock rows) keeps the rows' activations in shared memory, reads each weight
-// matrix once in its own dtype (a thread per output unit, coalesced across the units) and
-// accumulates in float32 in input order, like the CPU kernel; the last layer's signs become
-// int32 words through warp ballots. Larger inputs (prefill) stay on the cuBLAS path, where the
-// matrix products run on tensor cores.
+// one batched matrix product per layer, bias adds, the activation, the sign-and-pack kernel),
+// each a few microseconds of launch latency inside a CUDA graph. Here one block per (head,
+// group of up to 8 rows) does it all. The kernel is latency-bound (a few dozen blocks, a few
+// KB of weights each), so what matters is the number of dependent round trips to memory: each
+// layer's weight matrix (in its own dtype) is first staged into shared memory with 16-byte
+// loads, all in flight at once (in tiles of input rows when it is large), then every thread
+// computes output units from shared memory, accumulating in float32 in input order like the
+// CPU kernel. The last layer's signs become int32 words through warp ballots. Larger inputs
+// (prefill) stay on the cuBLAS path, where the matrix products run on tensor cores.
 #include "encode_fused.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 
@@ -19,10 +22,11 @@ namespace hashattention {
 namespace cuda {
 namespace {
 
-constexpr int kRowsPerBlock = 8;    // rows of one head scored together (accumulators per thread)
+constexpr int kRowsPerBlock = 8;            // most rows of one head per block (accumulators per thread)
 constexpr int kMaxLayers = 8;
-constexpr int64_t kMaxWidth = 1024;  // widest layer kept in shared memory
-constexpr int64_t kMaxRows = 64;     // rows per head (batch * tokens) up to which the fused path runs
+constexpr int64_t kMaxWidth = 1024;         // widest layer kept in shared memory
+constexpr int64_t kMaxRows = 64;            // rows per head (batch * tokens) up to which the fused path runs
+constexpr int64_t kStageBytes = 64 * 1024;  // weights staged per round trip
 
 enum Activation : int { kSilu = 0, kRelu = 1, kGelu = 2, kTanh = 3, kIdentity = 4 };
 
@@ -34,7 +38,7 @@ struct FusedMlpParams {
   int widths[kMaxLayers + 1];  // widths[0] = D, widths[i + 1] = out_features of layer i
   const void* weights[kMaxLayers];  // contiguous (H, in, out)
   const void* biases[kMaxLayers];   // contiguous (H, out)
-  int64_t width_stride;              // floats per row in each shared-memory buffer
+  int64_t width_stride;              // floats per row in each activation buffer
   int activation;
   int32_t* out;  // contiguous (B, H, N, words)
   int64_t heads;
@@ -50,26 +54,42 @@ __device__ __forceinline__ float activate(float v, int activation) {
   }
 }
 
-template <typename x_t, typename w_t>
+// Copies `count` elements from global to shared memory with every thread of the block: 16-byte
+// loads when both ends allow it, several in flight per thread.
+template <typename T>
+__device__ __forceinline__ void stage(T* __restrict__ dst, const T* __restrict__ src, int count) {
+  const bool vector = (reinterpret_cast<uintptr_t>(src) % 16 == 0) && (count * sizeof(T)) % 16 == 0;
+  if (vector) {
+    const int vectors = static_cast<int>(count * sizeof(T) / 16);
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < vectors; i += kThreads) d[i] = __ldg(s + i);
+  } else {
+#pragma unroll 8
+    for (int i = threadIdx.x; i < count; i += kThreads) dst[i] = src[i];
+  }
+}
+
+// kRows: rows per block, a power of two <= kRowsPerBlock (the smallest that holds the rows of
+// a head, so a batch-1 decode step computes one accumulator per output unit, not eight).
+template <typename x_t, typename w_t, int kRows>
 __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams p) {
-  extern __shared__ float buffers[];  // two buffers of kRowsPerBlock * width_stride floats
+  extern __shared__ float4 shared_raw[];  // 16-byte aligned
+  float* in = reinterpret_cast<float*>(shared_raw);  // two activation buffers of kRows * width_stride floats
+  float* next = in + kRows * p.width_stride;
+  w_t* staged = reinterpret_cast<w_t*>(in + 2 * kRows * p.width_stride);  // kStageBytes
   const int64_t h = blockIdx.x;
-  const int64_t row0 = int64_t(blockIdx.y) * kRowsPerBlock;
-  const int rows = static_cast<int>(min64(kRowsPerBlock, p.rows - row0));
-  float* in = buffers;
-  float* next = buffers + kRowsPerBlock * p.width_stride;
+  const int64_t row0 = int64_t(blockIdx.y) * kRows;
+  const int rows = static_cast<int>(min64(kRows, p.rows - row0));
 
   const x_t* x = static_cast<const x_t*>(p.x);
   const int d = p.widths[0];
-  for (int i = threadIdx.x; i < rows * d; i += kThreads) {
+  for (int i = threadIdx.x; i < kRows * d; i += kThreads) {
     const int r = i / d, k = i % d;
     const int64_t row = row0 + r, b = row / p.tokens, n = row % p.tokens;
-    in[r * p.width_stride + k] = static_cast<float>(x[b * p.xs0 + h * p.xs1 + n * p.xs2 + k * p.xs3]);
+    in[r * p.width_stride + k] = r < rows ? static_cast<float>(x[b * p.xs0 + h * p.xs1 + n * p.xs2 + k * p.xs3]) : 0.0f;
   }
-  for (int i = threadIdx.x; i < (kRowsPerBlock - rows) * d; i += kThreads) {  // unused rows: zeros
-    in[(rows + i / d) * p.width_stride + i % d] = 0.0f;
-  }
-  __syncthreads();
 
   const int lane = threadIdx.x & 31;
   for (int layer = 0; layer < p.layers; ++layer) {
@@ -77,29 +97,45 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
     const bool last = layer + 1 == p.layers;
     const w_t* w = static_cast<const w_t*>(p.weights[layer]) + h * fan_in * fan_out;
     const w_t* bias = static_cast<const w_t*>(p.biases[layer]) + h * fan_out;
-    // The last layer's width is a multiple of 32, so every warp of its loop is full (ballots).
-    for (int j = threadIdx.x; j < fan_out; j += kThreads) {
-      float acc[kRowsPerBlock];
+    const int tile_rows = max(1, static_cast<int>(kStageBytes / (sizeof(w_t) * fan_out)));
+    // Threads own output units j, j + kThreads, ...: at most kMaxWidth / kThreads of them.
+    float acc[kMaxWidth / kThreads][kRows];
 #pragma unroll
-      for (int r = 0; r < kRowsPerBlock; ++r) acc[r] = 0.0f;
-#pragma unroll 8
-      for (int k = 0; k < fan_in; ++k) {
-        const float wk = static_cast<float>(w[k * fan_out + j]);
+    for (int u = 0; u < kMaxWidth / kThreads; ++u) {
 #pragma unroll
-        for (int r = 0; r < kRowsPerBlock; ++r) acc[r] = fmaf(in[r * p.width_stride + k], wk, acc[r]);
+      for (int r = 0; r < kRows; ++r) acc[u][r] = 0.0f;
+    }
+    for (int k0 = 0; k0 < fan_in; k0 += tile_rows) {
+      const int k_count = min(tile_rows, fan_in - k0);
+      __syncthreads();  // the previous tile (or layer) is consumed, the activations are written
+      stage(staged, w + k0 * fan_out, k_count * fan_out);
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < kMaxWidth / kThreads; ++u) {
+        const int j = threadIdx.x + u * kThreads;
+        if (j >= fan_out) break;
+#pragma unroll 4
+        for (int k = 0; k < k_count; ++k) {
+          const float wk = static_cast<float>(staged[k * fan_out + j]);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) acc[u][r] = fmaf(in[r * p.width_stride + k0 + k], wk, acc[u][r]);
+        }
       }
+    }
+#pragma unroll
+    for (int u = 0; u < kMaxWidth / kThreads; ++u) {
+      const int j = threadIdx.x + u * kThreads;
+      if (j >= fan_out) break;  // warp-uniform for the last layer: its width is a multiple of 32
       const float bj = static_cast<float>(bias[j]);
       if (!last) {
 #pragma unroll
-        for (int r = 0; r < kRowsPerBlock; ++r) {
-          next[r * p.width_stride + j] = r < rows ? activate(acc[r] + bj, p.activation) : 0.0f;
-        }
+        for (int r = 0; r < kRows; ++r) next[r * p.width_stride + j] = r < rows ? activate(acc[u][r] + bj, p.activation) : 0.0f;
       } else {
         const int64_t words = fan_out / 32;
 #pragma unroll
-        for (int r = 0; r < kRowsPerBlock; ++r) {
+        for (int r = 0; r < kRows; ++r) {
           // Compare in float like the CPU kernel; NaN > 0 is false: bit 0.
-          const unsigned word = __ballot_sync(0xffffffffu, acc[r] + bj > 0.0f);
+          const unsigned word = __ballot_sync(0xffffffffu, acc[u][r] + bj > 0.0f);
           if (lane == 0 && r < rows) {
             const int64_t row = row0 + r, b = row / p.tokens, n = row % p.tokens;
             p.out[((b * p.heads + h) * p.tokens + n) * words + j / 32] = static_cast<int32_t>(word);
@@ -107,7 +143,6 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
         }
       }
     }
-    __syncthreads();
     float* t = in;
     in = next;
     next = t;
@@ -122,24 +157,38 @@ int activation_code(const std::string& activation) {
   return kIdentity;
 }
 
-template <typename x_t>
-void launch_for_input(const FusedMlpParams& p, at::ScalarType weight_type, dim3 grid, size_t smem) {
+template <typename x_t, int kRows>
+void launch_for_input(const FusedMlpParams& p, at::ScalarType weight_type, dim3 grid) {
   auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = sizeof(float) * 2 * kRows * size_t(p.width_stride) + kStageBytes;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight_type, "encode_fused_cuda", [&] {
-    auto kernel = fused_mlp_sign_kernel<x_t, scalar_t>;
-    if (smem > 48 * 1024) {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      auto kernel = fused_mlp_sign_kernel<x_t, scalar_t, kRows>;
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      kernel<<<grid, kThreads, smem, stream>>>(p);
     }
-    kernel<<<grid, kThreads, smem, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int kRows>
+void launch_rows(const FusedMlpParams& p, at::ScalarType x_type, at::ScalarType weight_type) {
+  const dim3 grid(static_cast<unsigned>(p.heads), static_cast<unsigned>(ceil_div(p.rows, int64_t(kRows))));
+  switch (x_type) {
+    case at::kFloat: return launch_for_input<float, kRows>(p, weight_type, grid);
+    case at::kHalf: return launch_for_input<at::Half, kRows>(p, weight_type, grid);
+    case at::kBFloat16: return launch_for_input<at::BFloat16, kRows>(p, weight_type, grid);
+    default: TORCH_CHECK(false, "encode_signatures: internal error: no fused kernel for x of type ", x_type);
+  }
 }
 
 }  // namespace
 
 bool fused_encode_applies(const at::Tensor& x, at::TensorList weights, at::TensorList biases) {
   if (x.size(0) * x.size(2) > kMaxRows || weights.size() > size_t(kMaxLayers)) return false;
+  // float64 inputs or weights take the cuBLAS path (it also computes in float32).
   const at::ScalarType weight_type = weights[0].scalar_type();
+  if (x.scalar_type() == at::kDouble || weight_type == at::kDouble) return false;
   if (x.size(3) > kMaxWidth) return false;
   for (size_t i = 0; i < weights.size(); ++i) {
     // One weight dtype for every layer and bias keeps the instantiations to 3 x 3.
@@ -171,15 +220,14 @@ void encode_fused_cuda(const at::Tensor& x, at::TensorList weights, at::TensorLi
     p.widths[i + 1] = static_cast<int>(weights[i].size(2));
     widest = std::max<int64_t>(widest, weights[i].size(2));
   }
-  p.width_stride = widest;
   p.activation = activation_code(activation);
   p.out = out.data_ptr<int32_t>();
-  const size_t smem = sizeof(float) * 2 * kRowsPerBlock * size_t(widest);
-  const dim3 grid(static_cast<unsigned>(x.size(1)), static_cast<unsigned>(ceil_div(rows, int64_t(kRowsPerBlock))));
+  p.width_stride = ceil_div(widest, int64_t(4)) * 4;  // keeps the staged weights 16-byte aligned
   const at::ScalarType weight_type = weights[0].scalar_type();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "encode_fused_cuda_input", [&] {
-    launch_for_input<scalar_t>(p, weight_type, grid, smem);
-  });
+  if (rows == 1) return launch_rows<1>(p, x.scalar_type(), weight_type);
+  if (rows == 2) return launch_rows<2>(p, x.scalar_type(), weight_type);
+  if (rows <= 4) return launch_rows<4>(p, x.scalar_type(), weight_type);
+  launch_rows<kRowsPerBlock>(p, x.scalar_type(), weight_type);
 }
 
 }  // namespace cuda

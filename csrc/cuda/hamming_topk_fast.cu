@@ -31,6 +31,7 @@ constexpr int kChunkQuantum = 1024;        // chunk sizes and starts: multiples 
 constexpr int kLoadBatch = 4;              // 16-byte loads in flight per thread
 constexpr int kPackedMaxBins = 64;         // per-thread 8-bit counters, 4 per word, up to this many bins
 constexpr size_t kDefaultSmem = 48 * 1024;
+constexpr int kBlocksPerSm = 4;            // grid size target: the compaction's register limit
 
 enum HistogramMode : int { kPacked = 0, kPerWarp = 1, kPerBlock = 2 };
 
@@ -96,6 +97,7 @@ struct RowSetScorer {
   // Score of row r at position p + j, given load()'s words.
   __device__ __forceinline__ int32_t score(int r, int64_t p, int j, const int32_t (&kw)[4]) const {
     if constexpr (kSingleWord) {
+      if (group == 1) return 32 - __popc(static_cast<unsigned>(q[r] ^ kw[j]));  // per-query-head selection
       int32_t distance = 0;
 #pragma unroll 1
       for (int g = 0; g < group; ++g) distance += __popc(static_cast<unsigned>(q[r * group + g] ^ kw[j]));
@@ -239,16 +241,26 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* q_words = smem + 2 * pairs;   // kRows * group * words
   uint8_t* flags = reinterpret_cast<uint8_t*>(q_words + kRows * src.group * src.words);  // kRows * groups
   const int32_t* set_hist = histograms + (set * layout.chunks + c_first) * pairs;
-  for (int i = threadIdx.x; i < pairs; i += kThreads) {
-    int32_t total = 0, earlier = 0;
-#pragma unroll 8
-    for (int c = 0; c < chunk_count; ++c) {  // independent loads: the unrolled ones are in flight together
-      const int32_t h = __ldcg(set_hist + c * pairs + i);
-      total += h;
-      earlier += c < own ? h : 0;
+  for (int i = threadIdx.x; i < 2 * pairs; i += kThreads) smem[i] = 0;
+  __syncthreads();
+  // Every thread sums a few (chunk, bin) entries: all loads issued before the shared atomics, so
+  // the whole table arrives in about one L2 round trip.
+  constexpr int kSumBatch = 4;
+  const int entries = pairs * chunk_count;
+  for (int i0 = threadIdx.x; i0 < entries; i0 += kSumBatch * kThreads) {
+    int32_t h[kSumBatch];
+#pragma unroll
+    for (int k = 0; k < kSumBatch; ++k) {
+      const int i = i0 + k * kThreads;
+      h[k] = i < entries ? __ldcg(set_hist + i) : 0;
     }
-    totals[i] = total;
-    before[i] = earlier;
+#pragma unroll
+    for (int k = 0; k < kSumBatch; ++k) {
+      if (h[k] == 0) continue;
+      const int i = i0 + k * kThreads, c = i / pairs, pair = i - c * pairs;
+      atomicAdd(&totals[pair], h[k]);
+      if (c < own) atomicAdd(&before[pair], h[k]);
+    }
   }
   RowSetScorer<kRows, kSingleWord> scorer{src};
   scorer.prepare(b, s_set * kRows, l, q_words);  // ends with a barrier
@@ -350,12 +362,14 @@ __global__ void __launch_bounds__(kThreads)
   // (better | ties << 16) orders a tile's entries.
 #pragma unroll 1
   for (int r = 0; r < kRows; ++r) {
-    int64_t better_run = 0, ties_run = 0;  // this chunk's entries before the current tile
+    // 32-bit counters: a chunk holds at most kMaxChunkPositions entries (fewer instructions
+    // than 64-bit ones in this, the kernel's busiest loop).
+    int better_run = 0, ties_run = 0;  // this chunk's entries before the current tile
     for (int k = 0; k < warp; ++k) {
       better_run += segment_counts[k][r][0];
       ties_run += segment_counts[k][r][1];
     }
-    const int64_t chunk_skip = row_skip[r];
+    const int chunk_skip = static_cast<int>(row_skip[r]);
     int32_t* out = p.indices + (first_row + r * p.rows) * p.width + row_offset[r];
     const uint8_t* row_flags = flags + r * groups - first_group;
     for (int64_t tile = seg_begin; tile < seg_end; tile += 32) {  // uniform trip count in the warp
@@ -371,17 +385,17 @@ __global__ void __launch_bounds__(kThreads)
       const int tile_total = __shfl_sync(0xffffffffu, inclusive, 31);
       if (byte != 0) {
         const int exclusive = inclusive - mine;
-        int64_t better_before = better_run + (exclusive & 0xffff);
-        int64_t ties_before = ties_run + (exclusive >> 16);
-        const int64_t position = base + 4 * g;
+        int better_before = better_run + (exclusive & 0xffff);
+        int ties_before = ties_run + (exclusive >> 16);
+        const int32_t position = static_cast<int32_t>(base + 4 * g);  // output indices are int32
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const unsigned f = (byte >> (2 * j)) & 3u;
           if (f == 2u) {
-            out[better_before + max64(ties_before - chunk_skip, 0)] = static_cast<int32_t>(position + j);
+            out[better_before + max(ties_before - chunk_skip, 0)] = position + j;
             ++better_before;
           } else if (f == 1u) {
-            if (ties_before >= chunk_skip) out[better_before + ties_before - chunk_skip] = static_cast<int32_t>(position + j);
+            if (ties_before >= chunk_skip) out[better_before + ties_before - chunk_skip] = position + j;
             ++ties_before;
           }
         }
@@ -404,11 +418,12 @@ template <int kRows, bool kSingleWord>
 void launch_row_sets(const SelectionParams& p, const HammingSource& src, int64_t sequences_rows, int bins,
                      const at::Tensor& like) {
   const int64_t sets = sequences_rows / kRows;  // (B * Hs * L) / kRows row sets
-  // Chunks: about two blocks per multiprocessor in all, whole multiples of kChunkQuantum
-  // positions, at most kMaxChunkPositions (8-bit counters) and 64 KB of flags per block.
+  // Chunks: about kBlocksPerSm blocks per multiprocessor in all (the kernels are latency-bound:
+  // Nsight Compute showed 2 blocks per SM leave both at ~25% occupancy), whole multiples of
+  // kChunkQuantum positions, at most kMaxChunkPositions (8-bit counters) and 64 KB of flags per block.
   const int64_t max_chunk = std::min<int64_t>(kMaxChunkPositions, (int64_t(64) * 1024 * 4 / kRows) / kChunkQuantum *
                                                                      kChunkQuantum);
-  int64_t chunks = std::max<int64_t>(1, ceil_div(2 * int64_t(multiprocessor_count()), sets));
+  int64_t chunks = std::max<int64_t>(1, ceil_div(kBlocksPerSm * int64_t(multiprocessor_count()), sets));
   int64_t chunk = ceil_div(ceil_div(p.keys, chunks), kChunkQuantum) * kChunkQuantum;
   chunk = std::min(std::max<int64_t>(chunk, kChunkQuantum), max_chunk);
   chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));  // N = 0: one chunk writes the empty rows
