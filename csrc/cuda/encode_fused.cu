@@ -92,12 +92,30 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
   }
 
   const int lane = threadIdx.x & 31;
+  // When every layer's weights fit in the staging buffer together (the shipped 128 -> 128 -> 32
+  // MLP: 40 KB in bf16), they are all loaded in one round trip up front; otherwise per layer,
+  // in tiles of input rows.
+  int64_t staged_elements = 0;
+  for (int layer = 0; layer < p.layers; ++layer) {
+    // Each layer's block starts 16-byte aligned (element counts rounded up to 8).
+    staged_elements += (int64_t(p.widths[layer]) * p.widths[layer + 1] + 7) / 8 * 8;
+  }
+  const bool all_staged = staged_elements * int64_t(sizeof(w_t)) <= kStageBytes;
+  if (all_staged) {
+    int64_t offset = 0;
+    for (int layer = 0; layer < p.layers; ++layer) {
+      const int count = p.widths[layer] * p.widths[layer + 1];
+      stage(staged + offset, static_cast<const w_t*>(p.weights[layer]) + h * count, count);
+      offset += (int64_t(count) + 7) / 8 * 8;
+    }
+  }
+  int64_t layer_offset = 0;  // where this layer's weights start in `staged` when all_staged
   for (int layer = 0; layer < p.layers; ++layer) {
     const int fan_in = p.widths[layer], fan_out = p.widths[layer + 1];
     const bool last = layer + 1 == p.layers;
-    const w_t* w = static_cast<const w_t*>(p.weights[layer]) + h * fan_in * fan_out;
+    const w_t* w = static_cast<const w_t*>(p.weights[layer]) + int64_t(h) * fan_in * fan_out;
     const w_t* bias = static_cast<const w_t*>(p.biases[layer]) + h * fan_out;
-    const int tile_rows = max(1, static_cast<int>(kStageBytes / (sizeof(w_t) * fan_out)));
+    const int tile_rows = all_staged ? fan_in : max(1, static_cast<int>(kStageBytes / (sizeof(w_t) * fan_out)));
     // Threads own output units j, j + kThreads, ...: at most kMaxWidth / kThreads of them.
     float acc[kMaxWidth / kThreads][kRows];
 #pragma unroll
@@ -108,20 +126,24 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
     for (int k0 = 0; k0 < fan_in; k0 += tile_rows) {
       const int k_count = min(tile_rows, fan_in - k0);
       __syncthreads();  // the previous tile (or layer) is consumed, the activations are written
-      stage(staged, w + k0 * fan_out, k_count * fan_out);
-      __syncthreads();
+      if (!all_staged) {
+        stage(staged, w + k0 * fan_out, k_count * fan_out);
+        __syncthreads();
+      }
+      const w_t* tile = all_staged ? staged + layer_offset : staged;
 #pragma unroll
       for (int u = 0; u < kMaxWidth / kThreads; ++u) {
         const int j = threadIdx.x + u * kThreads;
         if (j >= fan_out) break;
 #pragma unroll 4
         for (int k = 0; k < k_count; ++k) {
-          const float wk = static_cast<float>(staged[k * fan_out + j]);
+          const float wk = static_cast<float>(tile[k * fan_out + j]);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) acc[u][r] = fmaf(in[r * p.width_stride + k0 + k], wk, acc[u][r]);
         }
       }
     }
+    layer_offset += (int64_t(fan_in) * fan_out + 7) / 8 * 8;
 #pragma unroll
     for (int u = 0; u < kMaxWidth / kThreads; ++u) {
       const int j = threadIdx.x + u * kThreads;
