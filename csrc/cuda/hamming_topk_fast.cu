@@ -28,9 +28,12 @@ namespace {
 
 constexpr int kMaxChunkPositions = 64512;  // 8-bit per-thread counters: <= 255 positions per thread
 constexpr int kChunkQuantum = 1024;        // chunk sizes and starts: multiples of 1024 positions
-// Smallest chunk: below it each compaction block's fixed work (summing the chunk histograms,
-// the threshold search) outweighs its share of the scan (measured: group-shared selection at
-// 128K ran 11.7 -> 16.3 us when 2048-position chunks replaced 4096-position ones).
+// Preferred smallest chunk: below it each compaction block's fixed work (summing the chunk
+// histograms, the threshold search) outweighs its share of the scan (H200, group-shared
+// selection at 128K: 11.7 -> 16.3 us when 2048-position chunks replaced 4096-position ones).
+// Smaller chunks (down to kChunkQuantum) are used only when 4096-position chunks would leave
+// multiprocessors idle (group-shared at 32K: 8 rows x 8 chunks = 64 blocks ran 10.3 us, 256
+// blocks of 1024 positions 7.7 us).
 constexpr int kMinChunkPositions = 4096;
 constexpr int kLoadBatch = 4;              // 16-byte loads in flight per thread
 constexpr int kPackedMaxBins = 64;         // per-thread 8-bit counters, 4 per word, up to this many bins
@@ -429,7 +432,8 @@ void launch_row_sets(const SelectionParams& p, const HammingSource& src, int64_t
                                                                      kChunkQuantum);
   int64_t chunks = std::max<int64_t>(1, ceil_div(kBlocksPerSm * int64_t(multiprocessor_count()), sets));
   int64_t chunk = ceil_div(ceil_div(p.keys, chunks), kChunkQuantum) * kChunkQuantum;
-  chunk = std::min(std::max<int64_t>(chunk, kMinChunkPositions), max_chunk);
+  const bool fills_gpu = ceil_div(p.keys, int64_t(kMinChunkPositions)) * sets >= multiprocessor_count();
+  chunk = std::min(std::max<int64_t>(chunk, fills_gpu ? kMinChunkPositions : kChunkQuantum), max_chunk);
   chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));  // N = 0: one chunk writes the empty rows
   TORCH_CHECK(chunks <= 65535, "hamming_topk: ", as_text(p.keys), " keys are more than the selection grid handles");
   const FastLayout layout{chunk, chunks, bins, static_cast<int>(p.heads / kRows)};
