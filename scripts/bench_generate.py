@@ -593,8 +593,9 @@ def compile_counters():
     }
 
 
-KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names
-    ("selection", ("histogram_kernel", "compact_kernel", "threshold", "radix_select", "sign_pack", "hamming", "topk")),
+KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (namespaces dropped)
+    ("encode", ("fused_mlp", "sign_pack")),
+    ("selection", ("histogram_kernel", "compact_kernel", "threshold", "radix_select", "hamming", "topk")),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "softmax")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "cublas", "aten::mm", "aten::addmm",
               "aten::bmm")),
@@ -604,7 +605,8 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 def kernel_category(name: str) -> str:
-    lowered = name.lower()
+    # "hashattention::" would match "attention": every kernel of this project lives in that namespace.
+    lowered = name.lower().replace("hashattention::", "")
     return next((c for c, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other")
 
 
@@ -612,8 +614,9 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
     """Kernel time per decode step by category (and the top kernels), and host-sync runtime calls per step.
 
     CUDA: GPU kernels. ``attention`` = attention kernels (FlashAttention / cuDNN / SDPA /
-    ``sparse_attention_kernel``), ``selection`` = HashAttention's signature packing and top-k kernels;
-    the query-signature MLP's matrix products count under ``gemm`` with the model's. CPU (smoke
+    ``sparse_attention_kernel``), ``selection`` = HashAttention's top-k kernels, ``encode`` = its
+    signature encoder (the fused decode-step kernel, or sign-and-pack after cuBLAS products, which
+    then count under ``gemm`` with the model's). CPU (smoke
     tests): the self time of the operators instead of kernels.
     """
     from torch.autograd import DeviceType
@@ -809,13 +812,13 @@ def markdown(record: dict) -> str:
     profiled = [r for r in rows if r["status"] == "ok" and "category_us_per_step" in r.get("profile", {})]
     if profiled:
         lines += ["", "## Profile of extra decode steps (torch.profiler; kernel µs per step)", "",
-                  "| B | n | method | all kernels | attention | selection | gemm | other | host syncs per step |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| B | n | method | all kernels | attention | selection | encode | gemm | other | host syncs per step |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in profiled:
             p, c = r["profile"], r["profile"]["category_us_per_step"]
             syncs = ", ".join(f"{k} {v:g}" for k, v in p["host_sync_calls_per_step"].items()) or "none"
             lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {p['kernel_us_per_step']:.0f} | "
-                         + " | ".join(f"{c.get(k, 0.0):.0f}" for k in ("attention", "selection", "gemm", "other"))
+                         + " | ".join(f"{c.get(k, 0.0):.0f}" for k in ("attention", "selection", "encode", "gemm", "other"))
                          + f" | {syncs} |")
     lines += ["", "## Targets (issue 7)", ""]
     lines += [target_line(record, *t) for t in TARGETS]

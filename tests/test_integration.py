@@ -312,3 +312,25 @@ def test_cache_filled_before_patch_is_continued(cache_kind):
             model(input_ids=tokens[0], past_key_values=cache, use_cache=True)
     for step, (g, w) in enumerate(zip(got, want[1:])):
         torch.testing.assert_close(g, w, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("mask_batch", [1, 5])
+def test_start_positions_are_the_first_visible_key(mask_batch):
+    """start_positions_from_mask (a min reduction, for torch.compile) equals argmax of the last mask row."""
+    from hashattention.attention import start_positions_from_mask
+
+    g = torch.Generator().manual_seed(mask_batch)
+    keys, rows = 37, 3
+    starts = torch.randint(0, keys, (mask_batch,), generator=g)
+    ends = torch.maximum(starts + 1, torch.randint(0, keys + 1, (mask_batch,), generator=g))
+    positions = torch.arange(keys)
+    visible = (positions >= starts[:, None]) & (positions < ends[:, None])  # left padding, then future slots
+    mask = visible[:, None, None, :].expand(mask_batch, 1, rows, keys).clone()
+    if mask_batch > 1:
+        mask[1, 0, -1] = False  # a last row with nothing visible: 0, as argmax gives
+    expected = mask[:, 0, -1, :].to(torch.int32).argmax(dim=-1).to(torch.int32).expand(5)
+    got = start_positions_from_mask(mask, 5, "cpu")
+    assert got.dtype == torch.int32 and torch.equal(got, expected)
+    assert torch.equal(start_positions_from_mask(None, 5, "cpu"), torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="boolean attention mask"):
+        start_positions_from_mask(mask.float(), 5, "cpu")
