@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, default=16.0)
     parser.add_argument("--nll-tokens", type=int, default=64, help="last tokens run sparse")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--adapters", default=PRETRAINED_SMOLLM2, help="trained HashAttention adapters (directory)")
     parser.add_argument("--output", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,7 +60,7 @@ def main() -> None:
 
     model, tokenizer, model_name = load_model("smollm2", "auto")
     config = EvaluationConfig(output_dir="unused", selectors=names, contexts=[args.context], sparsities=[args.sparsity],
-                              adapters_dir=PRETRAINED_SMOLLM2, model_name=model_name, progress=False)
+                              adapters_dir=args.adapters, model_name=model_name, progress=False)
     evaluation = Evaluation(model, tokenizer, config)
     sparse_from = args.context - 1 - args.nll_tokens
     rows = {}
