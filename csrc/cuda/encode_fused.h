@@ -9,8 +9,9 @@ namespace hashattention {
 namespace cuda {
 
 // Whether the fused kernel handles these validated arguments: at most 64 rows per head
-// (batch * tokens: decode steps and short chunks), at most 8 layers, widths <= 1024, and one
-// floating dtype for all weights and biases. Otherwise the cuBLAS path runs.
+// (batch * tokens: decode steps and short chunks), at most 8 layers, widths <= 1024, x in
+// float32/float16/bfloat16, and one of those dtypes for all weights and biases. Otherwise the
+// cuBLAS path runs.
 bool fused_encode_applies(const at::Tensor& x, at::TensorList weights, at::TensorList biases);
 
 // Writes the packed signatures of x (B, H, N, D), any strides, into out: contiguous int32
