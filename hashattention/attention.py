@@ -84,7 +84,7 @@ def start_positions_from_mask(attention_mask: Optional[Tensor], batch_size: int,
     positions = torch.arange(keys, dtype=torch.int32, device=last_row.device)
     first = torch.where(last_row, positions, keys).amin(dim=-1)
     first = torch.where(first == keys, 0, first)
-    return first.to(torch.int32).expand(batch_size).contiguous()
+    return first.expand(batch_size).contiguous()
 
 
 def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:

@@ -31,6 +31,16 @@ constexpr int kWarps = kThreads / 32;
 
 inline int multiprocessor_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
+constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic shared memory a kernel gets without opting in
+
+// Opts `kernel` in to `bytes` of dynamic shared memory when that is more than the default.
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes) {
+  if (bytes > kDefaultSmem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+}
+
 // A per-sequence int32 vector (B,) on the device, or absent.
 struct SequenceVector {
   const int32_t* data = nullptr;

@@ -14,7 +14,6 @@
 #include "encode_fused.h"
 
 #include <algorithm>
-#include <type_traits>
 
 #include "cuda_common.cuh"
 
@@ -27,6 +26,10 @@ constexpr int kMaxLayers = 8;
 constexpr int64_t kMaxWidth = 1024;         // widest layer kept in shared memory
 constexpr int64_t kMaxRows = 64;            // rows per head (batch * tokens) up to which the fused path runs
 constexpr int64_t kStageBytes = 64 * 1024;  // weights staged per round trip
+
+// Elements a layer's weights take in the staging buffer: rounded up to 8 so that every layer's
+// block starts 16-byte aligned.
+__device__ __forceinline__ int64_t staged_elements(int64_t count) { return (count + 7) / 8 * 8; }
 
 enum Activation : int { kSilu = 0, kRelu = 1, kGelu = 2, kTanh = 3, kIdentity = 4 };
 
@@ -95,18 +98,17 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
   // When every layer's weights fit in the staging buffer together (the shipped 128 -> 128 -> 32
   // MLP: 40 KB in bf16), they are all loaded in one round trip up front; otherwise per layer,
   // in tiles of input rows.
-  int64_t staged_elements = 0;
+  int64_t total_staged = 0;
   for (int layer = 0; layer < p.layers; ++layer) {
-    // Each layer's block starts 16-byte aligned (element counts rounded up to 8).
-    staged_elements += (int64_t(p.widths[layer]) * p.widths[layer + 1] + 7) / 8 * 8;
+    total_staged += staged_elements(int64_t(p.widths[layer]) * p.widths[layer + 1]);
   }
-  const bool all_staged = staged_elements * int64_t(sizeof(w_t)) <= kStageBytes;
+  const bool all_staged = total_staged * int64_t(sizeof(w_t)) <= kStageBytes;
   if (all_staged) {
     int64_t offset = 0;
     for (int layer = 0; layer < p.layers; ++layer) {
       const int count = p.widths[layer] * p.widths[layer + 1];
       stage(staged + offset, static_cast<const w_t*>(p.weights[layer]) + h * count, count);
-      offset += (int64_t(count) + 7) / 8 * 8;
+      offset += staged_elements(count);
     }
   }
   int64_t layer_offset = 0;  // where this layer's weights start in `staged` when all_staged
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
         }
       }
     }
-    layer_offset += (int64_t(fan_in) * fan_out + 7) / 8 * 8;
+    layer_offset += staged_elements(int64_t(fan_in) * fan_out);
 #pragma unroll
     for (int u = 0; u < kMaxWidth / kThreads; ++u) {
       const int j = threadIdx.x + u * kThreads;
@@ -179,18 +181,23 @@ int activation_code(const std::string& activation) {
   return kIdentity;
 }
 
+template <typename x_t, typename w_t, int kRows>
+void launch_kernel(const FusedMlpParams& p, dim3 grid) {
+  const size_t smem = sizeof(float) * 2 * kRows * size_t(p.width_stride) + kStageBytes;
+  auto kernel = fused_mlp_sign_kernel<x_t, w_t, kRows>;
+  allow_shared_memory(kernel, smem);
+  kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename x_t, int kRows>
 void launch_for_input(const FusedMlpParams& p, at::ScalarType weight_type, dim3 grid) {
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const size_t smem = sizeof(float) * 2 * kRows * size_t(p.width_stride) + kStageBytes;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight_type, "encode_fused_cuda", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      auto kernel = fused_mlp_sign_kernel<x_t, scalar_t, kRows>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<grid, kThreads, smem, stream>>>(p);
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  switch (weight_type) {  // fused_encode_applies admits these three
+    case at::kFloat: return launch_kernel<x_t, float, kRows>(p, grid);
+    case at::kHalf: return launch_kernel<x_t, at::Half, kRows>(p, grid);
+    case at::kBFloat16: return launch_kernel<x_t, at::BFloat16, kRows>(p, grid);
+    default: TORCH_CHECK(false, "encode_signatures: internal error: no fused kernel for weights of type ", weight_type);
+  }
 }
 
 template <int kRows>

@@ -37,7 +37,6 @@ constexpr int kChunkQuantum = 1024;        // chunk sizes and starts: multiples 
 constexpr int kMinChunkPositions = 4096;
 constexpr int kLoadBatch = 4;              // 16-byte loads in flight per thread
 constexpr int kPackedMaxBins = 64;         // per-thread 8-bit counters, 4 per word, up to this many bins
-constexpr size_t kDefaultSmem = 48 * 1024;
 constexpr int kBlocksPerSm = 4;            // grid size target: the compaction's register limit
 
 enum HistogramMode : int { kPacked = 0, kPerWarp = 1, kPerBlock = 2 };
@@ -414,13 +413,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- host side -------------------------------------------------------------------------------
-template <typename Kernel>
-void allow_shared_memory(Kernel kernel, size_t bytes) {
-  if (bytes > kDefaultSmem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  }
-}
-
 template <int kRows, bool kSingleWord>
 void launch_row_sets(const SelectionParams& p, const HammingSource& src, int64_t sequences_rows, int bins,
                      const at::Tensor& like) {

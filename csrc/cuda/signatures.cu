@@ -2,10 +2,10 @@
 //
 // Encoding of few rows (a decode step: batch * tokens <= 64 per head) runs in one fused
 // kernel (encode_fused.cu). Otherwise the per-head MLP runs as batched matrix products through
-// ATen (cuBLAS) in float32 -- the same arithmetic as the CPU kernel, so bits differ only where a pre-sign value is
-// within float32 summation-order error of 0 -- and the last layer's bias add, the sign and the
-// packing are fused into one kernel: each warp reads 32 consecutive outputs (one 128-byte
-// coalesced load) and a warp ballot turns their signs into the int32 word.
+// ATen (cuBLAS) in float32 -- the same arithmetic as the CPU kernel, so bits differ only where
+// a pre-sign value is within float32 summation-order error of 0 -- and the last layer's bias
+// add, the sign and the packing are fused into one kernel: each warp reads 32 consecutive
+// outputs (one 128-byte coalesced load) and a warp ballot turns their signs into the int32 word.
 #include <torch/library.h>
 
 #include <string>
