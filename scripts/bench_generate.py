@@ -595,7 +595,7 @@ def compile_counters():
 
 KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (namespaces dropped)
     ("encode", ("fused_mlp", "sign_pack")),
-    ("selection", ("histogram_kernel", "compact_kernel", "threshold", "radix_select", "hamming", "topk")),
+    ("selection", ("resident_select", "histogram_kernel", "compact_kernel", "threshold", "radix_select", "hamming", "topk")),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "softmax")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "cublas", "aten::mm", "aten::addmm",
               "aten::bmm")),

@@ -22,9 +22,13 @@ def assert_equal_outputs(got, expected, what):
         assert torch.equal(a, b), f"{what}[{i}]: replay differs from eager ({int((a != b).sum())} elements)"
 
 
+@pytest.mark.parametrize("path", ["auto", "chunked"])
 @pytest.mark.parametrize("group_shared", [False, True])
 @pytest.mark.parametrize("keys", [3000, 70000])
-def test_select_and_attend_graph_replays_with_new_inputs(group_shared, keys):
+def test_select_and_attend_graph_replays_with_new_inputs(group_shared, keys, path, monkeypatch):
+    """Both selection paths: one cooperative launch ("auto" at these sizes) and two launches."""
+    if path == "chunked":
+        monkeypatch.setenv("HASHATTENTION_SELECTION", "chunked")
     batch, query_heads, kv_heads, rows, words, head_dim = 2, 8, 2, 2, 1, 128
     selection_heads = kv_heads if group_shared else query_heads
     sink, local, budget = 16, 32, keys // 16

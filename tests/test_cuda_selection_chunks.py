@@ -8,7 +8,8 @@ a few values, so ties at the threshold span many chunks and the earliest ones mu
 dropped), key signatures are strided views (no vector loads), and the score range covers each
 histogram variant: per thread (33 values), per warp (group sums, two words) and per block.
 The CPU kernel is the reference (it is itself checked against hashattention.reference).
-Skipped without a GPU.
+HASHATTENTION_SELECTION=chunked keeps every case on this path (most of them would otherwise fit
+the one-launch resident path, tested in test_cuda_selection_resident.py). Skipped without a GPU.
 """
 
 import pytest
@@ -20,6 +21,11 @@ from conftest import generator_for
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
 )
+
+
+@pytest.fixture(autouse=True)
+def chunked_path(monkeypatch):
+    monkeypatch.setenv("HASHATTENTION_SELECTION", "chunked")
 
 
 def signatures(shape, g, pool: int):

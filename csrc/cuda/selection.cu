@@ -2,8 +2,9 @@
 // sink/local budget contract of selection_window.h, identical to the CPU kernels (same set,
 // same order, ties to the later position, -1 padding, counts).
 //
-// The counting fast path of hamming_topk (a row's scores take at most kFastBins values) lives
-// in hamming_topk_fast.cu. Every other case (larger score ranges, and topk_from_scores for any
+// The counting paths of hamming_topk live in hamming_topk_resident.cu (one launch, when the whole
+// selection fits on chip: batch-1 decode steps) and hamming_topk_fast.cu (two launches, any size,
+// when a row's scores take at most kFastBins values). Every other case (larger score ranges, and topk_from_scores for any
 // dtype) runs here, one block per row: an exact radix select over order-preserving keys, 8 bits
 // per pass, then an ordered compaction.
 #include <torch/library.h>
@@ -13,6 +14,7 @@
 #include "checks.h"
 #include "cuda_common.cuh"
 #include "hamming_topk_fast.h"
+#include "hamming_topk_resident.h"
 #include "op_arguments.h"
 #include "outputs.h"
 #include "selection_sources.cuh"
@@ -166,7 +168,9 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cuda(const at::Tensor& query_sig
                         ? 1
                         : 0;
 
-  if (dims.max_score() + 1 <= kFastBins) {
+  if (launch_hamming_topk_resident(p, src, row_count, query_signatures)) {
+    // one launch: the whole selection fits on chip
+  } else if (dims.max_score() + 1 <= kFastBins) {
     launch_hamming_topk_fast(p, src, row_count, static_cast<int>(dims.max_score() + 1), query_signatures);
   } else {
     const size_t q_bytes = sizeof(int32_t) * src.group * src.words;

@@ -1,0 +1,119 @@
+"""The one-launch (resident) path of the CUDA hamming_topk against the CPU kernel.
+
+hamming_topk takes this path when the whole selection fits on chip: one-word signatures with
+16-byte-aligned contiguous key rows, 1, 2 or 4 query heads per selection head, and about 4M
+positions in all (the batch-1 decode step). Blocks cover 4K, 8K or 16K positions (the smallest
+whose grid is resident), so the shapes here put rows on both sides of those sizes and of the
+capacity, with ragged lengths, odd start offsets (partial first and last groups of four),
+per-sequence budgets, several query rows, few distinct signatures (ties at the threshold span
+many blocks) and the budget edge cases (nothing heavy, every candidate kept). Each case also
+runs with HASHATTENTION_SELECTION=chunked (the two-kernel path) and the two must agree.
+The CPU kernel is the reference (itself checked against hashattention.reference). Skipped
+without a GPU.
+"""
+
+import pytest
+import torch
+
+import hashattention as ha
+from conftest import generator_for
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
+)
+
+
+def signatures(shape, g, pool: int = 0):
+    """int32 signatures; pool > 0 draws them from that many distinct values (many ties)."""
+    values = torch.randint(-2**31, 2**31 - 1, (pool,) if pool else shape, generator=g, dtype=torch.int64)
+    values = values.to(torch.int32)
+    return values[torch.randint(0, pool, shape, generator=g)] if pool else values
+
+
+def select(device, q_sig, k_sig, lengths, starts, budgets, **kwargs):
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return ha.hamming_topk(to(q_sig), to(k_sig), lengths=to(lengths), start_positions=to(starts),
+                           budgets=to(budgets), **kwargs)
+
+
+def check(monkeypatch, q_sig, k_sig, selection_heads, budget, lengths=None, starts=None, budgets=None, sink=128,
+          local=128):
+    kwargs = dict(selection_heads=selection_heads, sink_tokens=sink, local_tokens=local, budget_tokens=budget)
+    expected = select("cpu", q_sig, k_sig, lengths, starts, budgets, **kwargs)
+    monkeypatch.delenv("HASHATTENTION_SELECTION", raising=False)
+    resident = select("cuda", q_sig, k_sig, lengths, starts, budgets, **kwargs)
+    monkeypatch.setenv("HASHATTENTION_SELECTION", "chunked")
+    chunked = select("cuda", q_sig, k_sig, lengths, starts, budgets, **kwargs)
+    for name, got in (("resident", resident), ("chunked", chunked)):
+        assert torch.equal(got[1].cpu(), expected[1]), f"{name}: counts differ from the CPU kernel"
+        differ = (got[0].cpu() != expected[0]).nonzero()
+        assert differ.numel() == 0, f"{name}: {differ.shape[0]} index entries differ, first at {differ[0].tolist()}"
+
+
+@pytest.mark.parametrize("keys", [1, 257, 4096, 4099, 8191, 16_385, 131_072])
+@pytest.mark.parametrize("pool", [0, 3])
+def test_per_query_head_batch_1(monkeypatch, keys, pool):
+    """The decode step of the benchmark: 32 selection heads with their own key heads, one row."""
+    g = generator_for("resident-per-head", keys, pool)
+    q_sig = signatures((1, 32, 1, 1), g, pool)
+    k_sig = signatures((1, 32, keys, 1), g, pool)
+    check(monkeypatch, q_sig, k_sig, 32, max(keys // 32 - 256, 1))
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("keys", [5_000, 70_001])
+@pytest.mark.parametrize("pool", [0, 4])
+def test_group_shared(monkeypatch, group, keys, pool):
+    """Selection heads of `group` query heads: distances are sums of `group` popcounts."""
+    g = generator_for("resident-group", group, keys, pool)
+    kv_heads = 8
+    q_sig = signatures((1, kv_heads * group, 1, 1), g, pool)
+    k_sig = signatures((1, kv_heads, keys, 1), g, pool)
+    check(monkeypatch, q_sig, k_sig, kv_heads, keys // 16)
+
+
+def test_query_heads_sharing_key_heads(monkeypatch):
+    """Per-query-head selection over per-KV-head key signatures (4 selection heads read one key row)."""
+    g = generator_for("resident-sharing")
+    q_sig = signatures((2, 16, 1, 1), g)
+    k_sig = signatures((2, 4, 30_000, 1), g)
+    check(monkeypatch, q_sig, k_sig, 16, 1_000)
+
+
+@pytest.mark.parametrize("pool", [0, 2])
+def test_ragged_batch_rows_starts_and_budgets(monkeypatch, pool):
+    g = generator_for("resident-ragged", pool)
+    keys = 30_001
+    q_sig = signatures((3, 8, 3, 1), g, pool)
+    k_sig = signatures((3, 8, keys, 1), g, pool)
+    lengths = torch.tensor([keys, 17_777, 301], dtype=torch.int32)
+    starts = torch.tensor([0, 1_235, 7], dtype=torch.int32)
+    budgets = torch.tensor([2_000, 333, 5_000], dtype=torch.int32)
+    check(monkeypatch, q_sig, k_sig, 8, 4_096, lengths, starts, budgets, sink=5, local=9)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 99_000, 200_000])
+def test_budget_edges(monkeypatch, budget):
+    """No heavy tokens, one, almost every candidate, and every candidate (no scores needed)."""
+    g = generator_for("resident-budget", budget)
+    keys = 100_003
+    q_sig = signatures((1, 4, 1, 1), g, 5)
+    k_sig = signatures((1, 4, keys, 1), g, 5)
+    check(monkeypatch, q_sig, k_sig, 4, budget, sink=3, local=2)
+
+
+def test_every_candidate_tied(monkeypatch):
+    """All signatures equal: the heavy picks are the latest candidates, across all blocks."""
+    keys = 100_003
+    q_sig = torch.zeros(1, 4, 1, 1, dtype=torch.int32)
+    k_sig = torch.zeros(1, 4, keys, 1, dtype=torch.int32)
+    check(monkeypatch, q_sig, k_sig, 4, 12_345, sink=3, local=2)
+
+
+@pytest.mark.parametrize("keys", [140_000, 600_000])
+def test_beyond_capacity(monkeypatch, keys):
+    """32 rows of 140K (just past the on-chip capacity) and of 600K positions: the chunked path runs."""
+    g = generator_for("resident-capacity", keys)
+    q_sig = signatures((1, 32, 1, 1), g)
+    k_sig = signatures((1, 32, keys, 1), g)
+    check(monkeypatch, q_sig, k_sig, 32, keys // 32 - 256)
