@@ -1,10 +1,9 @@
 """The one-launch (resident) path of the CUDA hamming_topk against the CPU kernel.
 
 hamming_topk takes this path when the whole selection fits on chip: one-word signatures with
-16-byte-aligned contiguous key rows, 1, 2 or 4 query heads per selection head, and about 4M
-positions in all (the batch-1 decode step). Blocks cover 4K, 8K or 16K positions (the smallest
-whose grid is resident), so the shapes here put rows on both sides of those sizes and of the
-capacity, with ragged lengths, odd start offsets (partial first and last groups of four),
+16-byte-aligned contiguous key rows, 1, 2 or 4 query heads per selection head, and about 25M
+positions in all on an H200 (a batch-1 decode step). Blocks cover 4K to 64K positions (chosen from
+the grid size), so the shapes here put rows on both sides of those sizes and of the capacity, with ragged lengths, odd start offsets (partial first and last groups of four),
 per-sequence budgets, several query rows, few distinct signatures (ties at the threshold span
 many blocks) and the budget edge cases (nothing heavy, every candidate kept). Each case also
 runs with HASHATTENTION_SELECTION=chunked (the two-kernel path) and the two must agree.
@@ -110,9 +109,9 @@ def test_every_candidate_tied(monkeypatch):
     check(monkeypatch, q_sig, k_sig, 4, 12_345, sink=3, local=2)
 
 
-@pytest.mark.parametrize("keys", [140_000, 600_000])
-def test_beyond_capacity(monkeypatch, keys):
-    """32 rows of 140K (just past the on-chip capacity) and of 600K positions: the chunked path runs."""
+@pytest.mark.parametrize("keys", [140_000, 600_000, 1_000_000])
+def test_long_rows_and_beyond_capacity(monkeypatch, keys):
+    """32 rows of 140K / 600K positions (16K- and 64K-position blocks) and of 1M (past the capacity)."""
     g = generator_for("resident-capacity", keys)
     q_sig = signatures((1, 32, 1, 1), g)
     k_sig = signatures((1, 32, keys, 1), g)

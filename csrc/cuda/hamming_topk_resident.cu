@@ -4,17 +4,22 @@
 // histogram kernel, then a compaction kernel that scores its chunk again. At batch 1 a decode
 // step's selection is small -- 32 heads x 128K positions is 16 MB of signatures, 4M scores --
 // so its time went to the second read, the second launch and each phase's latency chain
-// (H200, 128K: 10 + 17 us). Here one cooperative launch keeps every score in registers:
-//   phase 1: each block loads its chunk of one row (one 16-byte load per four positions, all
-//            issued before any is used), keeps the Hamming distances as bytes, four per
-//            register, and counts them into a shared histogram with lane-private counters
-//            (no same-address conflicts when distances cluster), then writes it to global memory;
+// (H200, 128K: 10 + 17 us). Here one cooperative launch keeps every distance on chip:
+//   phase 1: each block loads its chunk of one row (16-byte loads of four positions, several in
+//            flight per thread), writes the Hamming distances as bytes, in position order, to
+//            shared memory, counts them with lane-private shared counters (no same-address
+//            conflicts when distances cluster) and writes the chunk histogram to global memory;
 //   grid-wide barrier;
-//   phase 2: each block sums its row's chunk histograms (one bin per thread, from L2), finds by
-//            one block scan the threshold distance T (the smallest with count(d <= T) >= m) and
-//            how many of its ties to drop (the earliest), then flags its distances against T
-//            four at a time (bytewise compares) and writes the selected positions in order:
-//            a warp per contiguous segment, one warp scan per 128 positions.
+//   phase 2: each block sums its row's chunk histograms (from L2), finds by one block scan the
+//            threshold distance T (the smallest with count(d <= T) >= m) and how many of its
+//            ties to drop (the earliest), then each thread takes a contiguous run of the
+//            chunk's distances, counts its entries with bytewise compares (16 per shared load),
+//            and after one block scan writes them in order.
+// Nsight Compute on the first version (distances in registers, one warp scan per 128 positions
+// in phase 2) showed ~2.3K instructions per warp with half the issue slots busy: the per-tile
+// scans, 64-bit index arithmetic and per-position checks, not the bytes, set its time. Hence the
+// thread-contiguous runs (one scan per block), 32-bit block coordinates and a check-free path
+// for chunks inside the row's candidates.
 // Distances, not scores, are counted: the best candidates have the smallest distance, so the
 // counting runs from bin 0 upwards. Same output as every other path: position-sorted, ties at
 // the threshold go to the later positions, windows, padding and counts as in
@@ -25,8 +30,10 @@
 
 #include <cooperative_groups.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 namespace hashattention {
 namespace cuda {
@@ -36,7 +43,7 @@ namespace cg = cooperative_groups;
 
 constexpr unsigned kByteHigh = 0x80808080u;  // bit 7 of each byte
 constexpr unsigned kOutside = 0xffu;         // distance byte of a position that is not a candidate
-constexpr int kLoadBatch = 8;                // 16-byte loads in flight per thread
+constexpr int kLoadBatch = 4;                // 16-byte loads in flight per thread
 
 // Bit 7 of byte i is set when byte i of x < byte i of y (unsigned), for all four bytes at once.
 __device__ __forceinline__ unsigned bytes_less(unsigned x, unsigned y) {
@@ -52,93 +59,123 @@ __device__ __forceinline__ unsigned bytes_equal(unsigned x, unsigned y) {
   return ~(((t & ~kByteHigh) + ~kByteHigh) | t) & kByteHigh;
 }
 
-// Inclusive sum over the lanes of a warp.
-__device__ __forceinline__ unsigned warp_inclusive_sum(unsigned value, int lane) {
+// Shared-memory slot of the chunk's 16-byte vector `vector` (16 distances). Phase 2 reads vector
+// t * run + v in thread t, a stride of `run` vectors: unswizzled, the eight threads of a quarter
+// warp would share banks (up to 8-way conflicts at run = 8). XOR-ing bits 3-5 into bits 0-2 is a
+// bijection (an involution) that spreads those eight over all eight 16-byte bank groups for runs
+// of 1 to 8 (2-way at 16), and keeps phase 1's consecutive 4-byte stores conflict-free.
+__device__ __forceinline__ int swizzle(int vector) { return vector ^ ((vector >> 3) & 7); }
+
+// Where a block works: row (b * Hs + s) * L + l of the selection, positions [base, base + chunk).
+struct BlockCoordinates {
+  int row, chunk_index, base;
+  int b, s, l;
+};
+
+__device__ __forceinline__ BlockCoordinates block_coordinates(const SelectionParams& p, int chunk, int chunks) {
+  // 32-bit division (the host checks that rows, heads and positions fit): the 64-bit one is a
+  // long subroutine, and every warp runs this.
+  BlockCoordinates c;
+  const unsigned block = blockIdx.x, rows = static_cast<unsigned>(p.rows), heads = static_cast<unsigned>(p.heads);
+  const unsigned row = block / static_cast<unsigned>(chunks);
+  c.row = static_cast<int>(row);
+  c.chunk_index = static_cast<int>(block - row * static_cast<unsigned>(chunks));
+  c.base = c.chunk_index * chunk;
+  const unsigned sequence_head = row / rows;
+  c.l = static_cast<int>(row - sequence_head * rows);
+  c.b = static_cast<int>(sequence_head / heads);
+  c.s = static_cast<int>(sequence_head - static_cast<unsigned>(c.b) * heads);
+  return c;
+}
+
+// Phase 1 for one block: the distance bytes of every position of its chunk, in position order
+// (kOutside where the position is not a candidate of the row), and their histogram in
+// lane-private counters. kInterior: the whole chunk lies inside [lo, hi), so no checks.
+template <int kGroup, bool kInterior>
+__device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const int32_t* key_row, int base, int chunk,
+                                            int lo, int hi, unsigned* distance_words, int32_t* lane_counts) {
+  const int lane = threadIdx.x & 31;
+  const int groups = chunk / 4;  // a multiple of kThreads * kLoadBatch
+  for (int g0 = threadIdx.x; g0 < groups; g0 += kThreads * kLoadBatch) {
+    int4 keys[kLoadBatch];
+    unsigned valid[kLoadBatch];
 #pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const unsigned other = __shfl_up_sync(0xffffffffu, value, offset);
-    if (lane >= offset) value += other;
+    for (int k = 0; k < kLoadBatch; ++k) {  // all loads first: kLoadBatch in flight per thread
+      const int position = base + 4 * (g0 + k * kThreads);
+      if (kInterior || (position >= lo && position + 4 <= hi)) {
+        keys[k] = __ldg(reinterpret_cast<const int4*>(key_row + position));
+        valid[k] = 0xfu;
+      } else {  // the row's first or last group of four, or outside it: scalar loads, no reads outside
+        int32_t word[4];
+        valid[k] = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool inside = position + j >= lo && position + j < hi;
+          word[j] = inside ? __ldg(key_row + position + j) : 0;
+          valid[k] |= unsigned(inside) << j;
+        }
+        keys[k] = make_int4(word[0], word[1], word[2], word[3]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kLoadBatch; ++k) {
+      const unsigned key[4] = {unsigned(keys[k].x), unsigned(keys[k].y), unsigned(keys[k].z), unsigned(keys[k].w)};
+      unsigned packed = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        unsigned distance = 0;
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) distance += __popc(q[g] ^ key[j]);
+        if (kInterior || ((valid[k] >> j) & 1u)) {
+          atomicAdd(&lane_counts[distance * 32 + lane], 1);
+        } else {
+          distance = kOutside;
+        }
+        packed |= distance << (8 * j);
+      }
+      const int g = g0 + k * kThreads;
+      distance_words[(swizzle(g >> 2) << 2) | (g & 3)] = packed;
+    }
   }
-  return value;
 }
 
 // kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
-// kLoads: 16-byte loads per thread, so a block covers 4 * kLoads * kThreads positions.
-template <int kGroup, int kLoads>
+// Dynamic shared memory: `chunk` distance bytes.
+template <int kGroup>
 __global__ void __launch_bounds__(kThreads)
-    resident_select_kernel(SelectionParams p, HammingSource src, int64_t chunks, int32_t* histograms) {
+    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int chunks, int32_t* histograms) {
   constexpr int kBins = 32 * kGroup + 1;  // possible distances
-  constexpr int64_t kChunk = int64_t(4) * kLoads * kThreads;
-  constexpr int kSegment = 4 * kLoads * 32;  // positions per warp, contiguous
+  constexpr int kParts = kThreads / kBins;  // threads summing one bin's chunk histograms
   static_assert(kBins <= kThreads && kBins < int(kOutside), "one bin per thread, distances fit a byte");
-  static_assert(kLoads % kLoadBatch == 0 || kLoads < kLoadBatch, "whole load batches");
-  static_assert(kChunk <= 32768, "a chunk's entry counts must fit 16 bits");
+  extern __shared__ uint4 dynamic_smem[];
+  unsigned* distance_words = reinterpret_cast<unsigned*>(dynamic_smem);  // chunk / 4 words
   __shared__ int32_t lane_counts[kBins * 32];  // [distance][lane]: lane-private counters
   __shared__ int32_t chunk_histogram[kBins];
   __shared__ int64_t scan_scratch[kWarps];
-  __shared__ unsigned warp_entries[kWarps];
   __shared__ int32_t row_threshold;
   __shared__ int64_t row_better, row_better_before, row_ties_before, row_ties;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t row = blockIdx.x / chunks, chunk = blockIdx.x % chunks;  // row: (b * Hs + s) * L + l
-  const int64_t l = row % p.rows, s = (row / p.rows) % p.heads, b = row / (p.rows * p.heads);
-  const RowWindow w = p.window(b, l);
+  const BlockCoordinates at = block_coordinates(p, chunk, chunks);
+  const RowWindow w = p.window(at.b, at.l);
   const int64_t n = w.candidates(), m = w.heavy_budget;
-  const int64_t base = chunk * kChunk;
-  const int64_t lo = max64(w.sink_end, base), hi = min64(w.local_begin, base + kChunk);
+  const int lo = static_cast<int>(max64(w.sink_end, at.base));
+  const int hi = static_cast<int>(min64(w.local_begin, int64_t(at.base) + chunk));
   const bool scored = m > 0 && m < n && lo < hi;  // the same for every thread of the block
-  const int64_t segment = base + int64_t(warp) * kSegment;
 
-  // ---- phase 1: distances of the chunk, kept in registers, and their histogram ----
-  unsigned distances[kLoads];  // byte j of distances[i]: position segment + 4 * (32 i + lane) + j
+  // ---- phase 1: distances of the chunk into shared memory, and their histogram ----
   if (scored) {
     unsigned q[kGroup];
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) q[g] = static_cast<unsigned>(src.q[b * src.qs0 + (s * kGroup + g) * src.qs1 + l * src.qs2]);
-    const int32_t* key_row = src.k + b * src.ks0 + ((s * kGroup) / src.per_key) * src.ks1;
+    for (int g = 0; g < kGroup; ++g) {
+      q[g] = static_cast<unsigned>(src.q[at.b * src.qs0 + (int64_t(at.s) * kGroup + g) * src.qs1 + at.l * src.qs2]);
+    }
+    const int32_t* key_row = src.k + at.b * src.ks0 + ((int64_t(at.s) * kGroup) / src.per_key) * src.ks1;
     for (int i = threadIdx.x; i < kBins * 32; i += kThreads) lane_counts[i] = 0;
     __syncthreads();
-    constexpr int kBatch = kLoads < kLoadBatch ? kLoads : kLoadBatch;
-#pragma unroll
-    for (int i0 = 0; i0 < kLoads; i0 += kBatch) {
-      int4 keys[kBatch];
-      unsigned valid[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {  // all loads first: kBatch in flight per thread
-        const int64_t position = segment + 4 * (int64_t(i0 + k) * 32 + lane);
-        if (position >= lo && position + 4 <= hi) {
-          keys[k] = __ldg(reinterpret_cast<const int4*>(key_row + position));
-          valid[k] = 0xfu;
-        } else {  // the row's first or last group of four, or outside it
-          int32_t word[4];
-          valid[k] = 0;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const bool inside = position + j >= lo && position + j < hi;
-            word[j] = inside ? __ldg(key_row + position + j) : 0;
-            valid[k] |= unsigned(inside) << j;
-          }
-          keys[k] = make_int4(word[0], word[1], word[2], word[3]);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const unsigned key[4] = {unsigned(keys[k].x), unsigned(keys[k].y), unsigned(keys[k].z), unsigned(keys[k].w)};
-        unsigned packed = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          unsigned distance = kOutside;
-          if ((valid[k] >> j) & 1u) {
-            distance = 0;
-#pragma unroll
-            for (int g = 0; g < kGroup; ++g) distance += __popc(q[g] ^ key[j]);
-            atomicAdd(&lane_counts[distance * 32 + lane], 1);
-          }
-          packed |= distance << (8 * j);
-        }
-        distances[i0 + k] = packed;
-      }
+    if (lo == at.base && hi == at.base + chunk) {
+      score_chunk<kGroup, true>(q, key_row, at.base, chunk, lo, hi, distance_words, lane_counts);
+    } else {
+      score_chunk<kGroup, false>(q, key_row, at.base, chunk, lo, hi, distance_words, lane_counts);
     }
     __syncthreads();
     if (threadIdx.x < kBins) {  // lanes visited in a rotated order: no bank conflicts
@@ -147,40 +184,54 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 8
       for (int k = 0; k < 32; ++k) total += lane_counts[bin * 32 + ((k + bin) & 31)];
       chunk_histogram[bin] = total;
-      histograms[(row * chunks + chunk) * kBins + bin] = total;
+      histograms[(int64_t(at.row) * chunks + at.chunk_index) * kBins + bin] = total;
     }
   }
 
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)
 
-  // ---- phase 2: threshold, then ordered compaction from the registers ----
-  if (chunk == 0) write_fixed_part_of_row(p, row, w);
+  // ---- phase 2: threshold, then ordered compaction from shared memory ----
+  if (at.chunk_index == 0) write_fixed_part_of_row(p, at.row, w);
   if (m == 0 || lo >= hi) return;
   const int64_t heavy_offset = w.sink_end - w.start;  // heavy slot j of a row holds its j-th pick
+  int32_t* row_out = p.indices + int64_t(at.row) * p.width + heavy_offset;
   if (m == n) {  // every candidate is kept: no scores were needed
-    int32_t* out = p.indices + row * p.width + heavy_offset;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) out[i - w.sink_end] = static_cast<int32_t>(i);
+    for (int i = lo + threadIdx.x; i < hi; i += kThreads) row_out[i - w.sink_end] = i;
     return;
   }
 
-  // Per bin: the row's count, and the count in the chunks before this one (one thread per bin).
-  const int64_t c_first = w.sink_end / kChunk, c_last = (w.local_begin - 1) / kChunk;
+  // Per bin: the row's count, and the count in the chunks before this one. kParts threads per
+  // bin each sum every kParts-th chunk (loads from L2: written by other blocks in this launch),
+  // then combine their sums through shared memory (lane_counts is free again).
+  const int c_first = static_cast<int>(w.sink_end / chunk), c_last = static_cast<int>((w.local_begin - 1) / chunk);
+  const int bin = threadIdx.x % kBins, part = threadIdx.x / kBins;
+  int32_t* part_sums = lane_counts;  // [part][bin][total, before]
+  __syncthreads();  // lane_counts was last read in phase 1
+  if (part < kParts) {
+    const int32_t* h = histograms + int64_t(at.row) * chunks * kBins + bin;
+    int32_t total = 0, before = 0;
+    for (int c = c_first + part; c <= c_last; c += kParts) {
+      const int32_t x = __ldcg(h + int64_t(c) * kBins);
+      total += x;
+      before += c < at.chunk_index ? x : 0;
+    }
+    part_sums[(part * kBins + bin) * 2] = total;
+    part_sums[(part * kBins + bin) * 2 + 1] = before;
+  }
+  __syncthreads();
   int64_t total = 0, before = 0;
   if (threadIdx.x < kBins) {
-    const int32_t* h = histograms + row * chunks * kBins + threadIdx.x;
-#pragma unroll 4
-    for (int64_t c = c_first; c <= c_last; ++c) {
-      const int32_t x = __ldcg(h + c * kBins);  // L2: written by other blocks in this launch
-      total += x;
-      before += c < chunk ? x : 0;
+#pragma unroll
+    for (int k = 0; k < kParts; ++k) {
+      total += part_sums[(k * kBins + threadIdx.x) * 2];
+      before += part_sums[(k * kBins + threadIdx.x) * 2 + 1];
     }
   }
-  // One scan of both counts (each < 2^31, so the halves never carry into each other): cumulative
-  // counts of distances below each bin, in the row and before this chunk.
+  // One scan of both counts (each < 2^31, so the halves never carry into each other): counts of
+  // the distances below each bin, in the row and in the chunks before this one.
   constexpr int64_t kLow = 0xffffffffll;
   int64_t scan_total;
-  const int64_t both = total | (before << 32);
-  const int64_t exclusive = block_exclusive_scan(both, scan_scratch, scan_total);
+  const int64_t exclusive = block_exclusive_scan(total | (before << 32), scan_scratch, scan_total);
   if (threadIdx.x < kBins) {
     const int64_t below = exclusive & kLow;
     if (below < m && below + total >= m) {  // exactly one bin: 0 < m < n
@@ -196,89 +247,98 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t skip = row_ties - (m - row_better);  // the earliest ties at T are dropped
   const int64_t ties_before = row_ties_before;
   const int chunk_skip = static_cast<int>(min64(max64(skip - ties_before, 0), chunk_histogram[threshold]));
-  int32_t* out = p.indices + row * p.width + heavy_offset + row_better_before + max64(ties_before - skip, 0);
+  int32_t* out = row_out + row_better_before + max64(ties_before - skip, 0);
   const unsigned threshold_bytes = unsigned(threshold) * 0x01010101u;
 
-  // Entries (better | ties << 16) of each warp's segment, then each warp's start.
-  unsigned entries = 0;
+  // Thread t owns positions [base + t * run, base + (t + 1) * run): count its entries (better, tie),
+  // one block scan orders the threads, then each thread writes its own entries in order.
+  const int run_vectors = chunk / (16 * kThreads);  // 16 distances per 16-byte shared load
+  const int first_vector = threadIdx.x * run_vectors;
+  int64_t entries = 0;
+  for (int v = 0; v < run_vectors; ++v) {
+    const uint4 d = dynamic_smem[swizzle(first_vector + v)];
+    const unsigned words[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    entries += __popc(bytes_less(distances[i], threshold_bytes)) |
-               (__popc(bytes_equal(distances[i], threshold_bytes)) << 16);
+    for (int k = 0; k < 4; ++k) {
+      entries += __popc(bytes_less(words[k], threshold_bytes)) +
+                 (int64_t(__popc(bytes_equal(words[k], threshold_bytes))) << 32);
+    }
   }
-  entries = __reduce_add_sync(0xffffffffu, entries);
-  if (lane == 0) warp_entries[warp] = entries;
-  __syncthreads();
-  unsigned run = 0;  // both halves fit 16 bits (kChunk <= 32K)
-  for (int k = 0; k < warp; ++k) run += warp_entries[k];
-  int better_run = static_cast<int>(run & 0xffffu), ties_run = static_cast<int>(run >> 16);
-
-  // Position order inside a warp segment is (i, lane, j): one warp scan per i.
+  const int64_t entries_before = block_exclusive_scan(entries, scan_scratch, scan_total);
+  int better_before = static_cast<int>(entries_before & kLow);
+  int ties_seen = static_cast<int>(entries_before >> 32);
+  if (entries == 0) return;
+  const int first_position = at.base + threadIdx.x * run_vectors * 16;
+  for (int v = 0; v < run_vectors; ++v) {
+    const uint4 d = dynamic_smem[swizzle(first_vector + v)];
+    const unsigned words[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const unsigned better = bytes_less(distances[i], threshold_bytes);
-    const unsigned ties = bytes_equal(distances[i], threshold_bytes);
-    const unsigned mine = __popc(better) | (__popc(ties) << 16);
-    const unsigned inclusive = warp_inclusive_sum(mine, lane);
-    const unsigned tile = __shfl_sync(0xffffffffu, inclusive, 31);
-    if (better | ties) {
-      const unsigned exclusive_entries = inclusive - mine;
-      int better_before = better_run + static_cast<int>(exclusive_entries & 0xffffu);
-      int ties_seen = ties_run + static_cast<int>(exclusive_entries >> 16);
-      const int32_t position = static_cast<int32_t>(segment + 4 * (int64_t(i) * 32 + lane));  // indices are int32
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const unsigned bit = 0x80u << (8 * j);
-        if (better & bit) {
-          out[better_before + max(ties_seen - chunk_skip, 0)] = position + j;
+    for (int k = 0; k < 4; ++k) {
+      const unsigned better = bytes_less(words[k], threshold_bytes);
+      unsigned flagged = better | bytes_equal(words[k], threshold_bytes);
+      const int position = first_position + 16 * v + 4 * k;
+      while (flagged != 0) {  // bit 8 j + 7 set: position + j is an entry
+        const int bit = __ffs(flagged) - 1;
+        flagged &= flagged - 1;
+        if ((better >> bit) & 1u) {
+          out[better_before + max(ties_seen - chunk_skip, 0)] = position + (bit >> 3);
           ++better_before;
-        } else if (ties & bit) {
-          if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + j;
+        } else {
+          if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + (bit >> 3);
           ++ties_seen;
         }
       }
     }
-    better_run += static_cast<int>(tile & 0xffffu);
-    ties_run += static_cast<int>(tile >> 16);
   }
 }
 
-template <int kGroup, int kLoads>
-bool try_launch(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
-  constexpr int64_t kChunk = int64_t(4) * kLoads * kThreads;
-  constexpr int kBins = 32 * kGroup + 1;
-  const auto kernel = resident_select_kernel<kGroup, kLoads>;
-  const int64_t chunks = std::max<int64_t>(1, ceil_div(p.keys, kChunk));
-  const int64_t blocks = row_count * chunks;
-  // Resident blocks per multiprocessor: fixed by the kernel's registers and static shared memory
-  // (and the architecture), so asked once per instantiation.
-  static const int per_sm = [kernel] {
-    int count = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, kThreads, 0));
-    return count;
-  }();
-  if (blocks > int64_t(per_sm) * multiprocessor_count()) return false;
+// Chunk sizes, multiples of 4 * kThreads * kLoadBatch positions. Capacity is set by shared memory
+// (a byte per position): about 25M positions on an H200.
+constexpr int kChunkSizes[] = {4096, 8192, 16384, 32768, 65536};
+// Preferred grid: the smallest chunks that make at most this many blocks per multiprocessor (as
+// the chunked path, whose kernels were measured latency-bound with fewer); more, smaller blocks
+// only add per-block work (prologue, histogram sums, barrier arrivals).
+constexpr int kPreferredBlocksPerSm = 4;
 
+template <int kGroup>
+bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
+  constexpr int kBins = 32 * kGroup + 1;
+  const auto kernel = resident_select_kernel<kGroup>;
+  const int64_t sms = multiprocessor_count();
+  // Resident blocks per multiprocessor for each chunk size: fixed by the kernel and the
+  // architecture, so asked from the driver once (-1: not yet).
+  static std::atomic<int> resident_per_sm[] = {-1, -1, -1, -1, -1};
+  static_assert(std::size(resident_per_sm) == std::size(kChunkSizes), "one count per chunk size");
+  int chosen = 0;
+  int64_t blocks = 0;
+  for (size_t i = 0; i < std::size(kChunkSizes); ++i) {
+    const int chunk = kChunkSizes[i];
+    const int64_t grid = row_count * std::max<int64_t>(1, ceil_div(p.keys, chunk));
+    int per_sm = resident_per_sm[i].load();
+    if (per_sm < 0) {
+      allow_shared_memory(kernel, chunk);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, chunk));
+      resident_per_sm[i] = per_sm;
+    }
+    if (grid > int64_t(per_sm) * sms) continue;  // not resident: the barrier would deadlock
+    if (chosen == 0) chosen = chunk, blocks = grid;  // the smallest resident chunk
+    if (grid <= kPreferredBlocksPerSm * sms) {
+      chosen = chunk, blocks = grid;
+      break;
+    }
+  }
+  if (chosen == 0) return false;
+  allow_shared_memory(kernel, chosen);
   at::Tensor workspace = at::empty({blocks * kBins}, like.options().dtype(at::kInt));
   int32_t* histograms = workspace.data_ptr<int32_t>();
   SelectionParams params = p;
   HammingSource source = src;
-  int64_t chunk_count = chunks;
-  void* args[] = {&params, &source, &chunk_count, &histograms};
+  int chunk = chosen, chunks = static_cast<int>(blocks / row_count);
+  void* args[] = {&params, &source, &chunk, &chunks, &histograms};
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(blocks)),
-                                             dim3(kThreads), args, 0, at::cuda::getCurrentCUDAStream()));
+                                             dim3(kThreads), args, static_cast<size_t>(chunk),
+                                             at::cuda::getCurrentCUDAStream()));
   return true;
-}
-
-// The smallest block size (most blocks, so the most latency hidden) whose grid is resident.
-// Capacity is set by the register file, about 4.3M positions on an H200 for every block size
-// (sm_90: 4 loads per thread use ~50 registers, 8 use 63, 16 use 94, so 4 / 4 / 2 blocks of 4K
-// / 8K / 16K positions per SM); 32 loads per thread (~200 registers, one block) would add
-// nothing but compile time.
-template <int kGroup>
-bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
-  return try_launch<kGroup, 4>(p, src, row_count, like) || try_launch<kGroup, 8>(p, src, row_count, like) ||
-         try_launch<kGroup, 16>(p, src, row_count, like);
 }
 
 bool supports_cooperative_launch() {
@@ -296,7 +356,8 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
   if (path != nullptr && std::strcmp(path, "chunked") == 0) return false;
   if (src.words != 1 || !src.vector_keys || !src.shared_key_head) return false;
   // Positions are int32 in the output; the chunk arithmetic above stays in range below that.
-  if (p.keys >= (int64_t(1) << 31) || !supports_cooperative_launch()) return false;
+  // 32-bit positions, rows and block coordinates in the kernel.
+  if (p.keys > (int64_t(1) << 30) || row_count >= (int64_t(1) << 31) || !supports_cooperative_launch()) return false;
   switch (src.group) {
     case 1: return launch_for_group<1>(p, src, row_count, like);
     case 2: return launch_for_group<2>(p, src, row_count, like);
