@@ -66,25 +66,22 @@ __device__ __forceinline__ unsigned bytes_equal(unsigned x, unsigned y) {
 // of 1 to 8 (2-way at 16), and keeps phase 1's consecutive 4-byte stores conflict-free.
 __device__ __forceinline__ int swizzle(int vector) { return vector ^ ((vector >> 3) & 7); }
 
-// Where a block works: row (b * Hs + s) * L + l of the selection, positions [base, base + chunk).
+// Where a block works: positions [base, base + chunk) of row (b * Hs + s) * L + l of the
+// selection. The grid is (chunks, Hs * L, B), so that no 64-bit division runs per warp.
 struct BlockCoordinates {
   int row, chunk_index, base;
   int b, s, l;
 };
 
-__device__ __forceinline__ BlockCoordinates block_coordinates(const SelectionParams& p, int chunk, int chunks) {
-  // 32-bit division (the host checks that rows, heads and positions fit): the 64-bit one is a
-  // long subroutine, and every warp runs this.
+__device__ __forceinline__ BlockCoordinates block_coordinates(const SelectionParams& p, int chunk) {
   BlockCoordinates c;
-  const unsigned block = blockIdx.x, rows = static_cast<unsigned>(p.rows), heads = static_cast<unsigned>(p.heads);
-  const unsigned row = block / static_cast<unsigned>(chunks);
-  c.row = static_cast<int>(row);
-  c.chunk_index = static_cast<int>(block - row * static_cast<unsigned>(chunks));
+  const int rows = static_cast<int>(p.rows), head_rows = static_cast<int>(blockIdx.y);
+  c.chunk_index = static_cast<int>(blockIdx.x);
   c.base = c.chunk_index * chunk;
-  const unsigned sequence_head = row / rows;
-  c.l = static_cast<int>(row - sequence_head * rows);
-  c.b = static_cast<int>(sequence_head / heads);
-  c.s = static_cast<int>(sequence_head - static_cast<unsigned>(c.b) * heads);
+  c.b = static_cast<int>(blockIdx.z);
+  c.s = rows == 1 ? head_rows : head_rows / rows;  // L = 1 at decode
+  c.l = head_rows - c.s * rows;
+  c.row = c.b * static_cast<int>(p.heads) * rows + head_rows;
   return c;
 }
 
@@ -143,7 +140,7 @@ __device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const i
 // Dynamic shared memory: `chunk` distance bytes.
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads)
-    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int chunks, int32_t* histograms) {
+    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int32_t* histograms) {
   constexpr int kBins = 32 * kGroup + 1;  // possible distances
   constexpr int kParts = kThreads / kBins;  // threads summing one bin's chunk histograms
   static_assert(kBins <= kThreads && kBins < int(kOutside), "one bin per thread, distances fit a byte");
@@ -155,7 +152,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int32_t row_threshold;
   __shared__ int64_t row_better, row_better_before, row_ties_before, row_ties;
 
-  const BlockCoordinates at = block_coordinates(p, chunk, chunks);
+  const BlockCoordinates at = block_coordinates(p, chunk);
+  const int chunks = static_cast<int>(gridDim.x);
   const RowWindow w = p.window(at.b, at.l);
   const int64_t n = w.candidates(), m = w.heavy_budget;
   const int lo = static_cast<int>(max64(w.sink_end, at.base));
@@ -251,42 +249,46 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned threshold_bytes = unsigned(threshold) * 0x01010101u;
 
   // Thread t owns positions [base + t * run, base + (t + 1) * run): count its entries (better, tie),
-  // one block scan orders the threads, then each thread writes its own entries in order.
-  const int run_vectors = chunk / (16 * kThreads);  // 16 distances per 16-byte shared load
+  // one block scan orders the threads, then each thread writes its own entries in order. The
+  // first pass notes which of its words hold entries (~5% of positions are entries at 32x), so
+  // the second visits only those.
+  const int run_vectors = chunk / (16 * kThreads);  // 16 distances per 16-byte shared load; <= 16
   const int first_vector = threadIdx.x * run_vectors;
-  int64_t entries = 0;
+  int better_count = 0, tie_count = 0;
+  uint64_t words_with_entries = 0;  // bit 4 v + k: word k of vector v
   for (int v = 0; v < run_vectors; ++v) {
     const uint4 d = dynamic_smem[swizzle(first_vector + v)];
     const unsigned words[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      entries += __popc(bytes_less(words[k], threshold_bytes)) +
-                 (int64_t(__popc(bytes_equal(words[k], threshold_bytes))) << 32);
+      const int better = __popc(bytes_less(words[k], threshold_bytes));
+      const int ties = __popc(bytes_equal(words[k], threshold_bytes));
+      better_count += better;
+      tie_count += ties;
+      words_with_entries |= uint64_t((better | ties) != 0) << (4 * v + k);
     }
   }
+  const int64_t entries = better_count | (int64_t(tie_count) << 32);
   const int64_t entries_before = block_exclusive_scan(entries, scan_scratch, scan_total);
   int better_before = static_cast<int>(entries_before & kLow);
   int ties_seen = static_cast<int>(entries_before >> 32);
-  if (entries == 0) return;
-  const int first_position = at.base + threadIdx.x * run_vectors * 16;
-  for (int v = 0; v < run_vectors; ++v) {
-    const uint4 d = dynamic_smem[swizzle(first_vector + v)];
-    const unsigned words[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const unsigned better = bytes_less(words[k], threshold_bytes);
-      unsigned flagged = better | bytes_equal(words[k], threshold_bytes);
-      const int position = first_position + 16 * v + 4 * k;
-      while (flagged != 0) {  // bit 8 j + 7 set: position + j is an entry
-        const int bit = __ffs(flagged) - 1;
-        flagged &= flagged - 1;
-        if ((better >> bit) & 1u) {
-          out[better_before + max(ties_seen - chunk_skip, 0)] = position + (bit >> 3);
-          ++better_before;
-        } else {
-          if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + (bit >> 3);
-          ++ties_seen;
-        }
+  while (words_with_entries != 0) {
+    const int word = __ffsll(static_cast<long long>(words_with_entries)) - 1;
+    words_with_entries &= words_with_entries - 1;
+    const int v = word >> 2, k = word & 3;
+    const unsigned d = distance_words[(swizzle(first_vector + v) << 2) | k];
+    const unsigned better = bytes_less(d, threshold_bytes);
+    unsigned flagged = better | bytes_equal(d, threshold_bytes);
+    const int position = at.base + (first_vector + v) * 16 + 4 * k;
+    while (flagged != 0) {  // bit 8 j + 7 set: position + j is an entry
+      const int bit = __ffs(flagged) - 1;
+      flagged &= flagged - 1;
+      if ((better >> bit) & 1u) {
+        out[better_before + max(ties_seen - chunk_skip, 0)] = position + (bit >> 3);
+        ++better_before;
+      } else {
+        if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + (bit >> 3);
+        ++ties_seen;
       }
     }
   }
@@ -333,11 +335,12 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   int32_t* histograms = workspace.data_ptr<int32_t>();
   SelectionParams params = p;
   HammingSource source = src;
-  int chunk = chosen, chunks = static_cast<int>(blocks / row_count);
-  void* args[] = {&params, &source, &chunk, &chunks, &histograms};
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(blocks)),
-                                             dim3(kThreads), args, static_cast<size_t>(chunk),
-                                             at::cuda::getCurrentCUDAStream()));
+  int chunk = chosen;
+  void* args[] = {&params, &source, &chunk, &histograms};
+  const dim3 grid(static_cast<unsigned>(blocks / row_count), static_cast<unsigned>(p.heads * p.rows),
+                  static_cast<unsigned>(row_count / (p.heads * p.rows)));
+  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
+                                             static_cast<size_t>(chunk), at::cuda::getCurrentCUDAStream()));
   return true;
 }
 
@@ -356,8 +359,11 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
   if (path != nullptr && std::strcmp(path, "chunked") == 0) return false;
   if (src.words != 1 || !src.vector_keys || !src.shared_key_head) return false;
   // Positions are int32 in the output; the chunk arithmetic above stays in range below that.
-  // 32-bit positions, rows and block coordinates in the kernel.
-  if (p.keys > (int64_t(1) << 30) || row_count >= (int64_t(1) << 31) || !supports_cooperative_launch()) return false;
+  // 32-bit positions, rows and block coordinates in the kernel; grid (chunks, Hs * L, B).
+  if (p.keys > (int64_t(1) << 30) || row_count >= (int64_t(1) << 31) || p.heads * p.rows > 65535 ||
+      row_count / (p.heads * p.rows) > 65535 || !supports_cooperative_launch()) {
+    return false;
+  }
   switch (src.group) {
     case 1: return launch_for_group<1>(p, src, row_count, like);
     case 2: return launch_for_group<2>(p, src, row_count, like);
