@@ -26,6 +26,26 @@ from transformers.utils import is_torchdynamo_compiling
 from .adapters import LayerAdapter
 
 
+def aligned_signature_buffer(batch: int, heads: int, slots: int, words: int, device) -> Tensor:
+    """Zeros, int32 ``(B, H, slots, W)``, whose rows are padded in storage to a multiple of 4 slots.
+
+    With one-word signatures every head's row then starts 16-byte aligned, so the CUDA
+    ``hamming_topk`` reads four signatures per 16-byte load and takes its one-launch path (a
+    ``max_cache_len`` of ``n + steps`` is rarely a multiple of 4; unpadded, the selection fell back
+    to scalar loads and two launches: H200, 128K decode).
+    """
+    padded = -(-slots // 4) * 4
+    return torch.zeros((batch, heads, padded, words), dtype=torch.int32, device=device)[:, :, :slots]
+
+
+def aligned_copy(signatures: Tensor) -> Tensor:
+    """``signatures`` ``(B, H, N, W)`` copied into an :func:`aligned_signature_buffer`."""
+    batch, heads, slots, words = signatures.shape
+    buffer = aligned_signature_buffer(batch, heads, slots, words, signatures.device)
+    buffer.copy_(signatures)
+    return buffer
+
+
 class SignatureDynamicLayer(DynamicLayer):
     """A ``DynamicLayer`` plus ``key_signatures``: int32 ``(B, Hk, N, W)``, one row per cached key."""
 
@@ -94,10 +114,8 @@ class SignatureStaticLayer(StaticLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         config = self.adapter.config
-        self.key_signatures = torch.zeros(
-            (self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words),
-            dtype=torch.int32,
-            device=self.device,
+        self.key_signatures = aligned_signature_buffer(
+            self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words, self.device
         )
         # Same reason as the K/V buffers: a fixed address keeps CUDA graphs valid across steps.
         if not is_torchdynamo_compiling():
@@ -119,7 +137,9 @@ class SignatureStaticLayer(StaticLayer):
     def reorder_cache(self, beam_idx: Tensor) -> None:
         super().reorder_cache(beam_idx)
         if self.key_signatures is not None and self.get_seq_length() > 0:
-            self.key_signatures = self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
+            self.key_signatures = aligned_copy(
+                self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
+            )
 
     def valid_lengths(self, batch_size: int, device) -> Tensor:
         """int32 ``(B,)`` number of written positions, read on the device (CUDA-graph safe)."""
@@ -153,7 +173,7 @@ def to_signature_layer(layer, adapter: LayerAdapter):
             converted.keys, converted.values = layer.keys, layer.values
             converted.cumulative_length = layer.cumulative_length
             # Unwritten rows get meaningless signatures; they lie beyond the valid length and are never read.
-            converted.key_signatures = adapter.key_signatures(layer.keys).contiguous()
+            converted.key_signatures = aligned_copy(adapter.key_signatures(layer.keys))
             if not is_torchdynamo_compiling():
                 torch._dynamo.mark_static_address(converted.key_signatures)
             converted.is_initialized = True

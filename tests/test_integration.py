@@ -60,6 +60,27 @@ def test_full_budget_equals_sdpa(kind, cache_kind, selection):
         torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
 
 
+@pytest.mark.parametrize("convert_filled", [False, True])
+def test_static_signature_rows_are_16_byte_aligned(convert_filled):
+    """Static caches of any length keep each head's signature row 16-byte aligned (the CUDA
+    selection's one-launch path needs four one-word signatures per 16-byte load), whether the
+    layer is created empty or converted from a filled StaticLayer."""
+    model = tiny_model("llama")
+    adapters = tiny_adapters(model)
+    slots = PROMPT + STEPS + 1  # 47: not a multiple of 4
+    ids = random_ids(1, PROMPT, seed=5)
+    cache = make_cache("static", model, slots)
+    if convert_filled:
+        model(ids, past_key_values=cache, use_cache=True)
+    with patch(model, adapters, HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)):
+        reference, _ = stepwise_logits(model, ids if not convert_filled else ids[:, -1:], cache, steps=2)
+        for layer in cache.layers:
+            signatures = layer.key_signatures
+            assert isinstance(layer, SignatureStaticLayer) and signatures.shape[2] == slots
+            assert signatures.stride(1) % 4 == 0 and signatures.stride(0) % 4 == 0
+            assert signatures.data_ptr() % 16 == 0
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 @pytest.mark.parametrize("selection", ["query_head", "kv_group"])
 @pytest.mark.parametrize("key_heads", ["query", "kv"])
