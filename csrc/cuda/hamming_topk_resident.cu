@@ -311,33 +311,32 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   // architecture, so asked from the driver once (-1: not yet).
   static std::atomic<int> resident_per_sm[] = {-1, -1, -1, -1, -1};
   static_assert(std::size(resident_per_sm) == std::size(kChunkSizes), "one count per chunk size");
-  int chosen = 0;
-  int64_t blocks = 0;
+  int chosen = -1;  // index into kChunkSizes
   for (size_t i = 0; i < std::size(kChunkSizes); ++i) {
-    const int chunk = kChunkSizes[i];
-    const int64_t grid = row_count * std::max<int64_t>(1, ceil_div(p.keys, chunk));
+    const int64_t grid = row_count * std::max<int64_t>(1, ceil_div(p.keys, kChunkSizes[i]));
     int per_sm = resident_per_sm[i].load();
     if (per_sm < 0) {
-      allow_shared_memory(kernel, chunk);
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, chunk));
+      allow_shared_memory(kernel, kChunkSizes[i]);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kChunkSizes[i]));
       resident_per_sm[i] = per_sm;
     }
     if (grid > int64_t(per_sm) * sms) continue;  // not resident: the barrier would deadlock
-    if (chosen == 0) chosen = chunk, blocks = grid;  // the smallest resident chunk
+    if (chosen < 0) chosen = static_cast<int>(i);  // the smallest resident chunk, unless one below is preferred
     if (grid <= kPreferredBlocksPerSm * sms) {
-      chosen = chunk, blocks = grid;
+      chosen = static_cast<int>(i);
       break;
     }
   }
-  if (chosen == 0) return false;
-  allow_shared_memory(kernel, chosen);
-  at::Tensor workspace = at::empty({blocks * kBins}, like.options().dtype(at::kInt));
+  if (chosen < 0) return false;
+  int chunk = kChunkSizes[chosen];
+  const int64_t chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));
+  allow_shared_memory(kernel, chunk);
+  at::Tensor workspace = at::empty({row_count * chunks * kBins}, like.options().dtype(at::kInt));
   int32_t* histograms = workspace.data_ptr<int32_t>();
   SelectionParams params = p;
   HammingSource source = src;
-  int chunk = chosen;
   void* args[] = {&params, &source, &chunk, &histograms};
-  const dim3 grid(static_cast<unsigned>(blocks / row_count), static_cast<unsigned>(p.heads * p.rows),
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.heads * p.rows),
                   static_cast<unsigned>(row_count / (p.heads * p.rows)));
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
                                              static_cast<size_t>(chunk), at::cuda::getCurrentCUDAStream()));
@@ -358,8 +357,8 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
   const char* path = std::getenv("HASHATTENTION_SELECTION");
   if (path != nullptr && std::strcmp(path, "chunked") == 0) return false;
   if (src.words != 1 || !src.vector_keys || !src.shared_key_head) return false;
-  // Positions are int32 in the output; the chunk arithmetic above stays in range below that.
-  // 32-bit positions, rows and block coordinates in the kernel; grid (chunks, Hs * L, B).
+  // 32-bit positions, rows and block coordinates in the kernel (output positions are int32);
+  // grid (chunks, Hs * L, B) within CUDA's limits.
   if (p.keys > (int64_t(1) << 30) || row_count >= (int64_t(1) << 31) || p.heads * p.rows > 65535 ||
       row_count / (p.heads * p.rows) > 65535 || !supports_cooperative_launch()) {
     return false;

@@ -4,9 +4,9 @@
 //
 // The counting paths of hamming_topk live in hamming_topk_resident.cu (one launch, when the whole
 // selection fits on chip: batch-1 decode steps) and hamming_topk_fast.cu (two launches, any size,
-// when a row's scores take at most kFastBins values). Every other case (larger score ranges, and topk_from_scores for any
-// dtype) runs here, one block per row: an exact radix select over order-preserving keys, 8 bits
-// per pass, then an ordered compaction.
+// when a row's scores take at most kFastBins values). Every other case (larger score ranges, and
+// topk_from_scores for any dtype) runs here, one block per row: an exact radix select over
+// order-preserving keys, 8 bits per pass, then an ordered compaction.
 #include <torch/library.h>
 
 #include <tuple>
@@ -168,13 +168,12 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cuda(const at::Tensor& query_sig
                         ? 1
                         : 0;
 
-  if (launch_hamming_topk_resident(p, src, row_count, query_signatures)) {
-    // one launch: the whole selection fits on chip
-  } else if (dims.max_score() + 1 <= kFastBins) {
+  if (launch_hamming_topk_resident(p, src, row_count, query_signatures)) return {indices, counts};
+  if (dims.max_score() + 1 <= kFastBins) {
     launch_hamming_topk_fast(p, src, row_count, static_cast<int>(dims.max_score() + 1), query_signatures);
   } else {
     const size_t q_bytes = sizeof(int32_t) * src.group * src.words;
-    TORCH_CHECK(q_bytes <= 48 * 1024, "hamming_topk: query signatures of a group exceed shared memory");
+    TORCH_CHECK(q_bytes <= kDefaultSmem, "hamming_topk: query signatures of a group exceed shared memory");
     radix_select_kernel<HammingSource>
         <<<static_cast<unsigned>(row_count), kThreads, q_bytes, at::cuda::getCurrentCUDAStream()>>>(p, src);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
