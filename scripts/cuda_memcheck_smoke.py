@@ -1,8 +1,9 @@
 """Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see scripts/gpu_check.sh).
 
-Covers each kernel path once or twice: the fused and the cuBLAS encoder, sign-and-pack, Hamming scores, the chunked fast path and
-the radix-select path of hamming_topk, topk_from_scores, sparse_attention with one and with
-several splits, HF and paged layouts, with counts and without. Results are compared with the
+Covers each kernel path once or twice: the fused and the cuBLAS encoder, sign-and-pack,
+Hamming scores, the one-launch, chunked and radix-select paths of hamming_topk,
+topk_from_scores, sparse_attention with one and with several splits, HF and paged layouts,
+with counts and without. Results are compared with the
 CPU kernels so the run also fails on wrong answers. Prints OK at the end.
 """
 
@@ -26,7 +27,9 @@ def main():
     values = torch.randn(7, 96, generator=g)
     assert torch.equal(ha.pack_signs(values.cuda()).cpu(), ha.pack_signs(values))
 
-    for words, hq, hk, hs, keys in ((1, 8, 2, 2, 3000), (2, 4, 4, 4, 700), (32, 4, 4, 1, 300)):
+    # (1, 4, 4, 4, 4096): the one-launch path with one query head per selection head;
+    # (1, 8, 2, 2, 3000): the same path with groups of 4 and per-KV-head keys.
+    for words, hq, hk, hs, keys in ((1, 4, 4, 4, 4096), (1, 8, 2, 2, 3000), (2, 4, 4, 4, 700), (32, 4, 4, 1, 300)):
         q_sig, k_sig = signatures((2, hq, 3, words), g), signatures((2, hk, keys, words), g)
         assert torch.equal(ha.hamming_scores(q_sig.cuda(), k_sig.cuda(), hs).cpu(), ha.hamming_scores(q_sig, k_sig, hs))
         lengths = torch.tensor([keys, keys // 3], dtype=torch.int32)
