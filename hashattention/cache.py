@@ -27,22 +27,29 @@ from .adapters import LayerAdapter
 
 
 def aligned_signature_buffer(batch: int, heads: int, slots: int, words: int, device) -> Tensor:
-    """Zeros, int32 ``(B, H, slots, W)``, whose rows are padded in storage to a multiple of 4 slots.
+    """Zeros, int32 ``(B, H, S, W)``, contiguous, with ``S`` = ``slots`` rounded up to a multiple of 4.
 
     With one-word signatures every head's row then starts 16-byte aligned, so the CUDA
     ``hamming_topk`` reads four signatures per 16-byte load and takes its one-launch path (a
     ``max_cache_len`` of ``n + steps`` is rarely a multiple of 4; unpadded, the selection fell back
-    to scalar loads and two launches: H200, 128K decode).
+    to scalar loads and two launches: H200, 128K decode). The extra slots stay beyond every
+    valid length, so they are never selected.
+
+    The buffer is contiguous on purpose, not a ``[:, :, :slots]`` view of a padded one: under
+    ``torch.compile`` the cache update (``index_copy_``) followed by the custom op made inductor
+    copy a view into a fresh contiguous tensor before every ``hamming_topk`` call, the whole
+    signature cache of a layer per decode step (H200, Llama-3.1-8B shape, 128K, B = 4: ~1 ms per
+    step), which also lost the alignment.
     """
     padded = -(-slots // 4) * 4
-    return torch.zeros((batch, heads, padded, words), dtype=torch.int32, device=device)[:, :, :slots]
+    return torch.zeros((batch, heads, padded, words), dtype=torch.int32, device=device)
 
 
 def aligned_copy(signatures: Tensor) -> Tensor:
-    """``signatures`` ``(B, H, N, W)`` copied into an :func:`aligned_signature_buffer`."""
+    """``signatures`` ``(B, H, N, W)`` copied into the first ``N`` slots of an :func:`aligned_signature_buffer`."""
     batch, heads, slots, words = signatures.shape
     buffer = aligned_signature_buffer(batch, heads, slots, words, signatures.device)
-    buffer.copy_(signatures)
+    buffer[:, :, :slots].copy_(signatures)
     return buffer
 
 
@@ -104,7 +111,11 @@ class SignatureDynamicLayer(DynamicLayer):
 
 
 class SignatureStaticLayer(StaticLayer):
-    """A ``StaticLayer`` plus a preallocated ``key_signatures`` buffer ``(B, Hk, max_cache_len, W)``."""
+    """A ``StaticLayer`` plus a preallocated ``key_signatures`` buffer ``(B, Hk, S, W)``.
+
+    ``S`` is ``max_cache_len`` rounded up to a multiple of 4 (see :func:`aligned_signature_buffer`);
+    row ``i < max_cache_len`` holds the signatures of cache slot ``i``.
+    """
 
     def __init__(self, max_cache_len: int, adapter: LayerAdapter, **kwargs):
         super().__init__(max_cache_len=max_cache_len)
@@ -137,9 +148,8 @@ class SignatureStaticLayer(StaticLayer):
     def reorder_cache(self, beam_idx: Tensor) -> None:
         super().reorder_cache(beam_idx)
         if self.key_signatures is not None and self.get_seq_length() > 0:
-            self.key_signatures = aligned_copy(
-                self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
-            )
+            # index_select keeps the padded, contiguous layout.
+            self.key_signatures = self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
 
     def valid_lengths(self, batch_size: int, device) -> Tensor:
         """int32 ``(B,)`` number of written positions, read on the device (CUDA-graph safe)."""

@@ -1,6 +1,7 @@
 """The Hugging Face integration on tiny random-weight Llama / Mistral models (CPU, float32)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -63,8 +64,8 @@ def test_full_budget_equals_sdpa(kind, cache_kind, selection):
 @pytest.mark.parametrize("convert_filled", [False, True])
 def test_static_signature_rows_are_16_byte_aligned(convert_filled):
     """Static caches of any length keep each head's signature row 16-byte aligned (the CUDA
-    selection's one-launch path needs four one-word signatures per 16-byte load), whether the
-    layer is created empty or converted from a filled StaticLayer."""
+    selection's one-launch path needs four one-word signatures per 16-byte load) in a contiguous
+    buffer, whether the layer is created empty or converted from a filled StaticLayer."""
     model = tiny_model("llama")
     adapters = tiny_adapters(model)
     slots = PROMPT + STEPS + 1  # 47: not a multiple of 4
@@ -76,9 +77,35 @@ def test_static_signature_rows_are_16_byte_aligned(convert_filled):
         stepwise_logits(model, ids if not convert_filled else ids[:, -1:], cache, steps=2)
         for layer in cache.layers:
             signatures = layer.key_signatures
-            assert isinstance(layer, SignatureStaticLayer) and signatures.shape[2] == slots
-            assert signatures.stride(1) % 4 == 0 and signatures.stride(0) % 4 == 0
-            assert signatures.data_ptr() % 16 == 0
+            assert isinstance(layer, SignatureStaticLayer) and signatures.shape[2] == 48
+            assert signatures.is_contiguous() and signatures.data_ptr() % 16 == 0
+            assert not signatures[:, :, slots:].any(), "padding slots must stay zero"
+
+
+def test_compiled_decode_step_does_not_copy_the_signature_cache():
+    """Under torch.compile (inductor) a decode step writes the new key's signatures in place and
+    hands the cache buffer itself to hamming_topk. A strided (view) buffer made inductor allocate a
+    contiguous copy of the whole signature cache before each call (H200: ~1 ms per step at 128K,
+    B = 4), so no buffer of the signature cache's size may appear in the generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_model("llama", layers=1)
+    adapters = tiny_adapters(model)
+    slots = PROMPT + STEPS + 1
+    ids = random_ids(1, PROMPT, seed=6)
+    cache = make_cache("static", model, slots)
+    with patch(model, adapters, HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)), torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        step = torch.compile(model.forward, fullgraph=True)
+        _, code = run_and_get_code(
+            step, ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([PROMPT])
+        )
+        signature_shape = tuple(cache.layers[0].key_signatures.shape)
+    source = "\n".join(code)
+    assert "hashattention.hamming_topk" in source
+    allocated = {tuple(int(v) for v in m.split(",") if v.strip()) for m in re.findall(r"empty_strided_\w+\(\(([\d, ]+)\)", source)}
+    copies = [shape for shape in allocated if len(shape) == 4 and shape[2] >= slots]
+    assert not copies, f"a signature-cache-sized buffer {copies} is allocated per step (cache {signature_shape})"
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
