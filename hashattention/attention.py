@@ -17,8 +17,9 @@ so a static-cache decode step can be captured in a CUDA graph.
 
 :mod:`hashattention.patching` passes the per-layer state through two keyword arguments that a
 forward pre-hook adds to each attention module's call: ``hashattention`` (a
-:class:`LayerRuntime`) and ``hashattention_cache_layer`` (the signature cache layer, or None
-without a cache). Without them (e.g. a module called outside a patched model) the function
+:class:`LayerRuntime`), ``hashattention_cache_layer`` (the signature cache layer, or None
+without a cache) and ``hashattention_start_layer`` (the first sparse layer's cache layer, which
+shares the left-padding offsets; or None). Without them (e.g. a module called outside a patched model) the function
 is plain SDPA.
 """
 
@@ -48,6 +49,9 @@ class LayerRuntime:
     config: HashAttentionConfig
     selection_heads: int
     dense: bool = False
+    #: The layer whose cache layer holds each forward's left-padding offsets (the model's first
+    #: sparse layer computes them, later ones read them); None: every call computes its own.
+    start_layer_index: Optional[int] = None
 
 
 def hashattention_mask(*args, **kwargs) -> Optional[Tensor]:
@@ -85,6 +89,25 @@ def start_positions_from_mask(attention_mask: Optional[Tensor], batch_size: int,
     first = torch.where(last_row, positions, keys).amin(dim=-1)
     first = torch.where(first == keys, 0, first)
     return first.expand(batch_size).contiguous()
+
+
+def shared_start_positions(attention_mask: Optional[Tensor], batch_size: int, device, cache_layer, start_layer) -> Tensor:
+    """:func:`start_positions_from_mask`, computed once per forward pass instead of once per layer.
+
+    ``start_layer`` is the signature cache layer of the model's first sparse layer (or None). When
+    it is this call's own ``cache_layer``, the offsets are computed and stored there; later layers
+    load them (see :class:`hashattention.cache.SharedStartPositions`).
+    """
+    if attention_mask is None or start_layer is None:
+        return start_positions_from_mask(attention_mask, batch_size, device)
+    if start_layer is not cache_layer:
+        stored = start_layer.start_positions.load(attention_mask, batch_size)
+        if stored is not None:
+            return stored.to(device)
+    start_positions = start_positions_from_mask(attention_mask, batch_size, device)
+    if start_layer is cache_layer:
+        start_layer.start_positions.store(start_positions, attention_mask)
+    return start_positions
 
 
 def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
@@ -150,6 +173,7 @@ def hashattention_attention_forward(
     """transformers attention function: returns ``(out (B, L, Hq, D), None)``."""
     runtime: Optional[LayerRuntime] = kwargs.pop("hashattention", None)
     cache_layer = kwargs.pop("hashattention_cache_layer", None)
+    start_layer = kwargs.pop("hashattention_start_layer", None)
     if runtime is None or runtime.dense:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -166,7 +190,7 @@ def hashattention_attention_forward(
     else:
         key_signatures = cache_layer.key_signatures
         lengths = cache_layer.valid_lengths(batch, query.device)
-    start_positions = start_positions_from_mask(attention_mask, batch, query.device)
+    start_positions = shared_start_positions(attention_mask, batch, query.device, cache_layer, start_layer)
 
     sparse_query = query[:, :, rows - sparse_rows :]
     sparse_out = select_and_attend(

@@ -23,7 +23,7 @@ import torch
 
 from .adapters import HashAdapters
 from .attention import ATTENTION_NAME, LayerRuntime, register
-from .cache import ensure_signature_layer
+from .cache import SIGNATURE_LAYERS, ensure_signature_layer
 from .config import HashAttentionConfig, validate_for_model
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -88,11 +88,15 @@ def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> 
 def _inject_layer_state(runtime: LayerRuntime, module, args, kwargs):
     """Forward pre-hook of an attention module: hand its adapter and signature cache layer to the attention function."""
     cache = kwargs.get("past_key_values")
-    layer = None
+    layer = start_layer = None
     if cache is not None and not runtime.dense:
         layer = ensure_signature_layer(cache, module.layer_idx, runtime.adapter)
+        index = runtime.start_layer_index
+        if index is not None and index < len(cache.layers) and isinstance(cache.layers[index], SIGNATURE_LAYERS):
+            start_layer = cache.layers[index]
     kwargs["hashattention"] = runtime
     kwargs["hashattention_cache_layer"] = layer
+    kwargs["hashattention_start_layer"] = start_layer
     return args, kwargs
 
 
@@ -126,13 +130,16 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
     selection_heads = heads if config.selection == "query_head" else adapters.config.num_kv_heads
     previous = model.config._attn_implementation
     hooks = []
-    for index, decoder_layer in enumerate(_decoder_layers(model)):
+    decoder_layers = _decoder_layers(model)
+    sparse_layers = [index for index in range(len(decoder_layers)) if index not in config.dense_layers]
+    for index, decoder_layer in enumerate(decoder_layers):
         attention = decoder_layer.self_attn
         runtime = LayerRuntime(
             adapter=adapters[index],
             config=config,
             selection_heads=selection_heads,
             dense=index in config.dense_layers,
+            start_layer_index=sparse_layers[0] if sparse_layers else None,
         )
         hook = functools.partial(_inject_layer_state, runtime)
         hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True))

@@ -1,0 +1,107 @@
+"""Left-padding offsets are computed once per forward pass and shared by every sparse layer."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import hashattention.attention as attention_module
+from hashattention.cache import SharedStartPositions
+from hashattention.config import HashAttentionConfig
+from hashattention.patching import patch
+
+from hf_models import PAD, random_ids, tiny_adapters, tiny_model
+
+LOGIT_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+CONFIG = dict(sink_tokens=2, local_tokens=4, budget_tokens=12, sparse_prompt_tokens=5)
+
+
+def left_padded(lengths, seed):
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = random_ids(1, n, seed + i)[0]
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+def decode(model, ids, mask, cache, steps, forward=None):
+    """Prefill, then ``steps`` greedy single-token steps; returns the per-step last logits."""
+    forward = forward or model.forward
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = forward(input_ids=token, attention_mask=mask, past_key_values=cache)
+            logits.append(out.logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("dense_layers", [(), (0,)])
+def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_layers):
+    """One reduction of the mask per forward pass (not one per layer), with the same logits as
+    when every layer computes its own offsets."""
+    model = tiny_model("llama", layers=3)
+    adapters = tiny_adapters(model)
+    ids, mask = left_padded([21, 13, 17], seed=40)
+    config = HashAttentionConfig(dense_layers=list(dense_layers), **CONFIG)
+
+    def make_cache():
+        return DynamicCache(config=model.config) if cache_kind == "dynamic" else StaticCache(
+            config=model.config, max_cache_len=ids.shape[1] + 4)
+
+    with patch(model, adapters, config):
+        shared = decode(model, ids, mask, make_cache(), steps=3)
+    calls = []
+    original = attention_module.start_positions_from_mask
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "start_positions_from_mask", counting)
+    with patch(model, adapters, config):
+        decode(model, ids, mask, make_cache(), steps=3)
+    assert len(calls) == 4, f"{len(calls)} reductions for 4 forward passes"
+    # Every layer computing its own offsets (no start layer) gives the same logits.
+    monkeypatch.setattr(attention_module, "shared_start_positions",
+                        lambda mask, batch, device, *layers: original(mask, batch, device))
+    with patch(model, adapters, config):
+        per_layer = decode(model, ids, mask, make_cache(), steps=3)
+    for step, (got, want) in enumerate(zip(shared, per_layer)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"step {step}: {m}")
+
+
+def test_compiled_step_reads_the_shared_offsets():
+    """Under inductor the later layers read the offsets the first sparse layer stored in the
+    static cache in the same graph: compiled logits equal eager ones, left padding included."""
+    model = tiny_model("llama", layers=3)
+    adapters = tiny_adapters(model)
+    ids, mask = left_padded([19, 11], seed=44)
+    config = HashAttentionConfig(dense_layers=[0], **CONFIG)
+    with patch(model, adapters, config):
+        eager = decode(model, ids, mask, StaticCache(config=model.config, max_cache_len=24), steps=3)
+        torch._dynamo.reset()
+        compiled = decode(model, ids, mask, StaticCache(config=model.config, max_cache_len=24), steps=3,
+                          forward=torch.compile(model.forward, fullgraph=True))
+    for step, (got, want) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
+
+
+def test_shared_offsets_are_not_read_for_another_mask_or_batch():
+    """Outside torch.compile a layer called with another mask (or batch size) than the one the
+    offsets came from gets None and recomputes: no stale offsets."""
+    shared = SharedStartPositions()
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    assert shared.load(mask, 2) is None
+    shared.allocate(2, "cpu")
+    values = torch.tensor([3, 0], dtype=torch.int32)
+    storage = shared.values
+    shared.store(values, mask)
+    assert shared.values is storage, "a preallocated buffer is written in place (a fixed address for CUDA graphs)"
+    assert torch.equal(shared.load(mask, 2), values)
+    assert shared.load(mask.clone(), 2) is None
+    assert shared.load(mask, 3) is None
