@@ -83,12 +83,16 @@ def test_encode_non_contiguous_input(device):
 
 # On CUDA, up to 64 rows per head (batch * tokens) run through one fused kernel, in blocks of 8
 # rows, with layers up to 1024 wide and one weight dtype; anything else takes the cuBLAS path.
+# Weights are staged all at once up to ~200 KB of shared memory per block, else in 64 KB tiles.
 # These shapes sit on both sides of each of those limits.
 @pytest.mark.parametrize(
     "batch,tokens,sizes,weight_dtype",
     [
         (1, 1, (128, 128, 32), torch.bfloat16),  # a decode step of the shipped layout
         (4, 1, (128, 128, 32), torch.bfloat16),
+        (1, 1, (128, 128, 128, 32), torch.bfloat16),  # the paper's MLP: 72 KB, every layer staged at once
+        (4, 1, (128, 128, 128, 32), torch.float32),  # 144 KB: still at once (more than one 64 KB tile)
+        (2, 1, (33, 41, 32), torch.float16),  # per-head weights not 16-byte aligned: element copies
         (3, 3, (64, 96, 64), torch.float32),  # 9 rows: a second block of rows, a partial one
         (8, 8, (64, 128, 32), torch.float16),  # 64 rows: the last fused size
         (5, 13, (64, 128, 32), torch.float16),  # 65 rows: cuBLAS
