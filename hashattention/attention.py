@@ -15,12 +15,12 @@ offsets from the boolean mask built by :func:`hashattention_mask` (the first vis
 the last query row); budgets are computed on the device. Nothing is read back to the host,
 so a static-cache decode step can be captured in a CUDA graph.
 
-:mod:`hashattention.patching` passes the per-layer state through two keyword arguments that a
-forward pre-hook adds to each attention module's call: ``hashattention`` (a
+:mod:`hashattention.patching` passes the per-layer state through three keyword arguments that
+a forward pre-hook adds to each attention module's call: ``hashattention`` (a
 :class:`LayerRuntime`), ``hashattention_cache_layer`` (the signature cache layer, or None
 without a cache) and ``hashattention_start_layer`` (the first sparse layer's cache layer, which
-shares the left-padding offsets; or None). Without them (e.g. a module called outside a patched model) the function
-is plain SDPA.
+shares the left-padding offsets and budgets; or None). Without them (e.g. a module called
+outside a patched model) the function is plain SDPA.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import ops
 from .adapters import LayerAdapter
 from .config import HashAttentionConfig
+from .padding import first_visible_key
 
 ATTENTION_NAME = "hashattention"
 
@@ -49,8 +50,9 @@ class LayerRuntime:
     config: HashAttentionConfig
     selection_heads: int
     dense: bool = False
-    #: The layer whose cache layer holds each forward's left-padding offsets (the model's first
-    #: sparse layer computes them, later ones read them); None: every call computes its own.
+    #: The layer whose cache layer holds each forward's left-padding offsets and budgets (the
+    #: model's first sparse layer computes them, later ones read them); None: every call computes
+    #: its own.
     start_layer_index: Optional[int] = None
 
 
@@ -74,40 +76,42 @@ def start_positions_from_mask(attention_mask: Optional[Tensor], batch_size: int,
     """int32 ``(B,)`` left-padding offsets: the first key the last query row may see.
 
     ``attention_mask`` is SDPA's boolean ``(B, 1, L, N)`` mask or None (no padding). With left
-    padding the last row (a real token) sees ``[start, position]``. The first True is found as
-    ``min(where(mask, position, N))`` rather than ``argmax``: torch.compile splits a min
-    reduction across many blocks but runs an argmax over all N keys in one block (measured on
-    an H200 at N = 128K: ~0.6 ms per decode step). A row with no True gives 0, as argmax did.
+    padding the last row (a real token) sees ``[start, position]``. A row with no True gives 0.
+    The reduction is an op (:mod:`hashattention.padding` says why).
     """
     if attention_mask is None:
         return torch.zeros(batch_size, dtype=torch.int32, device=device)
     if attention_mask.dtype != torch.bool:
         raise ValueError(f"hashattention expects a boolean attention mask, got {attention_mask.dtype}")
-    last_row = attention_mask[:, 0, -1, :]
-    keys = last_row.shape[-1]
-    positions = torch.arange(keys, dtype=torch.int32, device=last_row.device)
-    first = torch.where(last_row, positions, keys).amin(dim=-1)
-    first = torch.where(first == keys, 0, first)
+    first = first_visible_key(attention_mask[:, 0, -1, :])
     return first.expand(batch_size).contiguous()
 
 
-def shared_start_positions(attention_mask: Optional[Tensor], batch_size: int, device, cache_layer, start_layer) -> Tensor:
-    """:func:`start_positions_from_mask`, computed once per forward pass instead of once per layer.
+def selection_bounds(
+    config: HashAttentionConfig,
+    attention_mask: Optional[Tensor],
+    lengths: Tensor,
+    device,
+    cache_layer=None,
+    start_layer=None,
+) -> Tuple[Tensor, Tensor]:
+    """int32 ``(B,)`` left-padding offsets and heavy-token budgets, once per forward pass.
 
     ``start_layer`` is the signature cache layer of the model's first sparse layer (or None). When
-    it is this call's own ``cache_layer``, the offsets are computed and stored there; later layers
-    load them (see :class:`hashattention.cache.SharedStartPositions`).
+    it is this call's own ``cache_layer``, both are computed and stored there; later layers load
+    them (see :class:`hashattention.cache.SharedSelectionBounds`). Without a mask (no padding)
+    there is nothing to reduce and each layer computes its budgets.
     """
-    if attention_mask is None or start_layer is None:
-        return start_positions_from_mask(attention_mask, batch_size, device)
-    if start_layer is not cache_layer:
-        stored = start_layer.start_positions.load(attention_mask, batch_size)
+    batch_size = lengths.shape[0]
+    if attention_mask is not None and start_layer is not None and start_layer is not cache_layer:
+        stored = start_layer.selection_bounds.load(attention_mask, batch_size)
         if stored is not None:
-            return stored.to(device)
+            return stored[0].to(device), stored[1].to(device)
     start_positions = start_positions_from_mask(attention_mask, batch_size, device)
-    if start_layer is cache_layer:
-        start_layer.start_positions.store(start_positions, attention_mask)
-    return start_positions
+    budgets = heavy_budgets(config, lengths - start_positions)
+    if attention_mask is not None and start_layer is not None and start_layer is cache_layer:
+        start_layer.selection_bounds.store(start_positions, budgets, attention_mask)
+    return start_positions, budgets
 
 
 def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
@@ -130,6 +134,7 @@ def select_and_attend(
     lengths: Tensor,
     start_positions: Tensor,
     scaling: float,
+    budgets: Optional[Tensor] = None,
 ) -> Tensor:
     """Sparse attention of query rows that end at each sequence's ``lengths``.
 
@@ -138,12 +143,15 @@ def select_and_attend(
         key, value: ``(B, Hkv, N, D)`` cache (HF layout, read in place).
         key_signatures: int32 ``(B, Hk, N, W)``.
         lengths, start_positions: int32 ``(B,)`` on the device.
+        budgets: int32 ``(B,)`` heavy tokens per sequence; None: :func:`heavy_budgets` of the
+            valid keys.
 
     Returns:
         ``(B, Hq, P, D)`` in the query dtype.
     """
     config = runtime.config
-    budgets = heavy_budgets(config, lengths - start_positions)
+    if budgets is None:
+        budgets = heavy_budgets(config, lengths - start_positions)
     query_signatures = runtime.adapter.query_signatures(query)
     indices, counts = ops.hamming_topk(
         query_signatures,
@@ -190,11 +198,13 @@ def hashattention_attention_forward(
     else:
         key_signatures = cache_layer.key_signatures
         lengths = cache_layer.valid_lengths(batch, query.device)
-    start_positions = shared_start_positions(attention_mask, batch, query.device, cache_layer, start_layer)
+    start_positions, budgets = selection_bounds(
+        runtime.config, attention_mask, lengths, query.device, cache_layer, start_layer
+    )
 
     sparse_query = query[:, :, rows - sparse_rows :]
     sparse_out = select_and_attend(
-        runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling
+        runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling, budgets
     ).transpose(1, 2)
     if sparse_rows == rows:
         return sparse_out.contiguous(), None

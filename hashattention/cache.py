@@ -53,46 +53,51 @@ def aligned_copy(signatures: Tensor) -> Tensor:
     return buffer
 
 
-class SharedStartPositions:
-    """The left-padding offsets of the current forward pass, computed once and read by every layer.
+class SharedSelectionBounds:
+    """Each forward pass's left-padding offsets and heavy-token budgets, computed once for all layers.
 
-    Every attention layer of a forward pass gets the same boolean mask, and reducing it to the
-    ``(B,)`` offsets costs a pass over ``B x N`` mask entries (H200, 128K, B = 4: ~11 us per layer,
-    0.36 ms per decode step when each layer did it). The first sparse layer of each forward
-    computes them and :meth:`store` s them here (on its own cache layer); later layers
-    :meth:`load` them.
+    Every attention layer of a forward pass gets the same boolean mask and the same number of
+    valid keys. Reducing the mask to the ``(B,)`` offsets is a pass over ``B x N`` entries (H200,
+    128K, B = 4: ~11 us per layer, 0.36 ms per decode step when each layer did it). The first
+    sparse layer of each forward computes the offsets and the budgets and :meth:`store` s them
+    here (on its own cache layer); later layers :meth:`load` them.
 
-    ``values`` is an int32 ``(B,)`` device tensor. A static cache preallocates it, so the store is
-    an in-place copy into a fixed address (CUDA-graph safe); a dynamic cache just keeps the tensor.
-    ``mask`` remembers, outside torch.compile, which mask the values came from, so that a layer
-    called on its own with another mask recomputes instead of reading stale offsets. (A compiled
-    forward runs the layers in order, so it reads without that check.)
+    ``start_positions`` and ``budgets`` are int32 ``(B,)`` device tensors. A static cache
+    preallocates them, so a store is an in-place copy into fixed addresses (CUDA-graph safe); a
+    dynamic cache keeps the tensors. ``mask`` remembers, outside torch.compile, which mask they
+    came from, so that a layer called on its own with another mask recomputes instead of reading
+    stale values. (A compiled forward runs the layers in order, so it reads without that check.)
     """
 
     def __init__(self):
-        self.values: Optional[Tensor] = None
+        self.start_positions: Optional[Tensor] = None
+        self.budgets: Optional[Tensor] = None
         self.mask: Optional[Tensor] = None
 
     def allocate(self, batch_size: int, device) -> None:
-        self.values = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.start_positions = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.budgets = torch.zeros(batch_size, dtype=torch.int32, device=device)
         if not is_torchdynamo_compiling():
-            torch._dynamo.mark_static_address(self.values)
+            torch._dynamo.mark_static_address(self.start_positions)
+            torch._dynamo.mark_static_address(self.budgets)
 
-    def store(self, start_positions: Tensor, mask: Tensor) -> None:
-        if self.values is not None and self.values.shape == start_positions.shape:
-            self.values.copy_(start_positions)
+    def store(self, start_positions: Tensor, budgets: Tensor, mask: Tensor) -> None:
+        if self.start_positions is not None and self.start_positions.shape == start_positions.shape:
+            self.start_positions.copy_(start_positions)
+            self.budgets.copy_(budgets)
         else:
-            self.values = start_positions
+            self.start_positions, self.budgets = start_positions, budgets
         if not is_torchdynamo_compiling():
             self.mask = mask
 
-    def load(self, mask: Tensor, batch_size: int) -> Optional[Tensor]:
-        """The stored offsets if they belong to ``mask`` (always assumed under torch.compile), else None."""
-        if self.values is None or self.values.shape[0] != batch_size:
+    def load(self, mask: Tensor, batch_size: int) -> Optional[Tuple[Tensor, Tensor]]:
+        """``(start_positions, budgets)`` if they belong to ``mask`` (always assumed under
+        torch.compile), else None."""
+        if self.start_positions is None or self.start_positions.shape[0] != batch_size:
             return None
         if not is_torchdynamo_compiling() and self.mask is not mask:
             return None
-        return self.values
+        return self.start_positions, self.budgets
 
 
 class SignatureDynamicLayer(DynamicLayer):
@@ -102,7 +107,7 @@ class SignatureDynamicLayer(DynamicLayer):
         super().__init__()
         self.adapter = adapter
         self.key_signatures: Optional[Tensor] = None
-        self.start_positions = SharedStartPositions()
+        self.selection_bounds = SharedSelectionBounds()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> Tuple[Tensor, Tensor]:
         keys, values = super().update(key_states, value_states)
@@ -164,7 +169,7 @@ class SignatureStaticLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.adapter = adapter
         self.key_signatures: Optional[Tensor] = None
-        self.start_positions = SharedStartPositions()
+        self.selection_bounds = SharedSelectionBounds()
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -172,7 +177,7 @@ class SignatureStaticLayer(StaticLayer):
         self.key_signatures = aligned_signature_buffer(
             self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words, self.device
         )
-        self.start_positions.allocate(self.batch_size, self.device)
+        self.selection_bounds.allocate(self.batch_size, self.device)
         # Same reason as the K/V buffers: a fixed address keeps CUDA graphs valid across steps.
         if not is_torchdynamo_compiling():
             torch._dynamo.mark_static_address(self.key_signatures)
@@ -229,7 +234,7 @@ def to_signature_layer(layer, adapter: LayerAdapter):
             converted.cumulative_length = layer.cumulative_length
             # Unwritten rows get meaningless signatures; they lie beyond the valid length and are never read.
             converted.key_signatures = aligned_copy(adapter.key_signatures(layer.keys))
-            converted.start_positions.allocate(layer.batch_size, layer.device)
+            converted.selection_bounds.allocate(layer.batch_size, layer.device)
             if not is_torchdynamo_compiling():
                 torch._dynamo.mark_static_address(converted.key_signatures)
             converted.is_initialized = True

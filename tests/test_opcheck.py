@@ -36,10 +36,11 @@ def sample_calls(device):
         ("topk_from_scores", (scores, lengths, starts, budgets, 2, 3, 6)),
         ("sparse_attention", (q, k, v, indices, counts, None, 0.125)),
         ("sparse_attention", (q, k_pages, k_pages, indices % 28, None, block_table, 0.125)),
+        ("first_visible_key", (torch.rand(3, 50, generator=g).to(device) > 0.7,)),
     ]
 
 
-@pytest.mark.parametrize("call", range(8))
+@pytest.mark.parametrize("call", range(9))
 def test_opcheck(device, call):
     name, args = sample_calls(device)[call]
     torch.library.opcheck(getattr(OPS, name).default, args)

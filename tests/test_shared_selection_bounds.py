@@ -1,11 +1,11 @@
-"""Left-padding offsets are computed once per forward pass and shared by every sparse layer."""
+"""Left-padding offsets and budgets are computed once per forward pass and shared by every sparse layer."""
 
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
 import hashattention.attention as attention_module
-from hashattention.cache import SharedStartPositions
+from hashattention.cache import SharedSelectionBounds
 from hashattention.config import HashAttentionConfig
 from hashattention.patching import patch
 
@@ -43,7 +43,7 @@ def decode(model, ids, mask, cache, steps, forward=None):
 @pytest.mark.parametrize("dense_layers", [(), (0,)])
 def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_layers):
     """One reduction of the mask per forward pass (not one per layer), with the same logits as
-    when every layer computes its own offsets."""
+    when every layer computes its own offsets and budgets."""
     model = tiny_model("llama", layers=3)
     adapters = tiny_adapters(model)
     ids, mask = left_padded([21, 13, 17], seed=40)
@@ -66,9 +66,10 @@ def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_la
     with patch(model, adapters, config):
         decode(model, ids, mask, make_cache(), steps=3)
     assert len(calls) == 4, f"{len(calls)} reductions for 4 forward passes"
-    # Every layer computing its own offsets (no start layer) gives the same logits.
-    monkeypatch.setattr(attention_module, "shared_start_positions",
-                        lambda mask, batch, device, *layers: original(mask, batch, device))
+    # Every layer computing its own offsets and budgets (no start layer) gives the same logits.
+    selection_bounds = attention_module.selection_bounds
+    monkeypatch.setattr(attention_module, "selection_bounds",
+                        lambda config, mask, lengths, device, *layers: selection_bounds(config, mask, lengths, device))
     with patch(model, adapters, config):
         per_layer = decode(model, ids, mask, make_cache(), steps=3)
     for step, (got, want) in enumerate(zip(shared, per_layer)):
@@ -91,17 +92,37 @@ def test_compiled_step_reads_the_shared_offsets():
         torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
 
 
-def test_shared_offsets_are_not_read_for_another_mask_or_batch():
+def test_shared_bounds_are_not_read_for_another_mask_or_batch():
     """Outside torch.compile a layer called with another mask (or batch size) than the one the
-    offsets came from gets None and recomputes: no stale offsets."""
-    shared = SharedStartPositions()
+    offsets came from gets None and recomputes: no stale offsets or budgets."""
+    shared = SharedSelectionBounds()
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     assert shared.load(mask, 2) is None
     shared.allocate(2, "cpu")
-    values = torch.tensor([3, 0], dtype=torch.int32)
-    storage = shared.values
-    shared.store(values, mask)
-    assert shared.values is storage, "a preallocated buffer is written in place (a fixed address for CUDA graphs)"
-    assert torch.equal(shared.load(mask, 2), values)
+    starts, budgets = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([5, 7], dtype=torch.int32)
+    storage = (shared.start_positions, shared.budgets)
+    shared.store(starts, budgets, mask)
+    assert shared.start_positions is storage[0] and shared.budgets is storage[1], "buffers are written in place"
+    loaded = shared.load(mask, 2)
+    assert torch.equal(loaded[0], starts) and torch.equal(loaded[1], budgets)
     assert shared.load(mask.clone(), 2) is None
     assert shared.load(mask, 3) is None
+
+
+@pytest.mark.parametrize("keys", [0, 1, 37, 4136])
+def test_first_visible_key_matches_argmax(keys):
+    """The op equals argmax of the row (the first True), 0 for a row with none, on random masks."""
+    g = torch.Generator().manual_seed(keys)
+    starts = torch.randint(0, max(keys, 1), (6,), generator=g)
+    visible = (torch.arange(keys) >= starts[:, None]) & (torch.rand(6, keys, generator=g) > 0.2)
+    visible[0] = False
+    expected = visible.to(torch.int32).argmax(dim=-1).to(torch.int32) if keys else torch.zeros(6, dtype=torch.int32)
+    got = torch.ops.hashattention.first_visible_key(visible)
+    assert got.dtype == torch.int32 and torch.equal(got, expected)
+
+
+def test_first_visible_key_rejects_bad_input():
+    with pytest.raises(ValueError, match="visible must be a 2-D bool tensor"):
+        torch.ops.hashattention.first_visible_key(torch.ones(2, 5))
+    with pytest.raises(ValueError, match="visible must be a 2-D bool tensor"):
+        torch.ops.hashattention.first_visible_key(torch.ones(2, 1, 5, dtype=torch.bool))
