@@ -92,6 +92,27 @@ def test_compiled_step_reads_the_shared_offsets():
         torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
 
 
+def test_compiled_step_reduces_the_mask_once_through_the_op():
+    """The compiled decode step calls first_visible_key once per forward and has no reduction of
+    the mask of its own: an inline reduction fused with the budget arithmetic was a kernel Triton 3.6
+    could not compile."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_model("llama", layers=3)
+    ids, mask = left_padded([19, 11], seed=45)
+    with patch(model, tiny_adapters(model), HashAttentionConfig(**CONFIG)), torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+        torch._dynamo.reset()
+        step = torch.compile(model.forward, fullgraph=True)
+        _, code = run_and_get_code(step, input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
+                                   past_key_values=cache)
+    source = "\n".join(code)
+    assert source.count("hashattention.first_visible_key.default(") == 1
+    assert "amin" not in source and "argmax" not in source
+
+
 def test_shared_bounds_are_not_read_for_another_mask_or_batch():
     """Outside torch.compile a layer called with another mask (or batch size) than the one the
     offsets came from gets None and recomputes: no stale offsets or budgets."""
