@@ -141,7 +141,8 @@ def select_and_attend(
     Args:
         query: ``(B, Hq, P, D)``, the last ``P`` rows of the chunk.
         key, value: ``(B, Hkv, N, D)`` cache (HF layout, read in place).
-        key_signatures: int32 ``(B, Hk, N, W)``.
+        key_signatures: int32 ``(B, Hk, S, W)`` with ``S >= N`` (a static cache rounds ``S`` up to
+            a multiple of 4; rows at or beyond ``lengths`` are never selected).
         lengths, start_positions: int32 ``(B,)`` on the device.
         budgets: int32 ``(B,)`` heavy tokens per sequence; None: :func:`heavy_budgets` of the
             valid keys.
