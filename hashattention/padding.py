@@ -23,11 +23,15 @@ import torch
 from torch import Tensor
 
 
+def _check_visible(visible: Tensor) -> None:
+    if visible.dtype != torch.bool or visible.dim() != 2:
+        raise ValueError(f"visible must be a 2-D bool tensor (B, N), got {visible.dtype} of shape {tuple(visible.shape)}")
+
+
 @torch.library.custom_op("hashattention::first_visible_key", mutates_args=())
 def first_visible_key(visible: Tensor) -> Tensor:
     """int32 ``(B,)``: index of the first True of each row of ``visible`` (bool ``(B, N)``); 0 for none."""
-    if visible.dtype != torch.bool or visible.dim() != 2:
-        raise ValueError(f"visible must be a 2-D bool tensor (B, N), got {visible.dtype} of shape {tuple(visible.shape)}")
+    _check_visible(visible)
     keys = visible.shape[-1]
     if keys == 0:
         return torch.zeros(visible.shape[0], dtype=torch.int32, device=visible.device)
@@ -38,6 +42,5 @@ def first_visible_key(visible: Tensor) -> Tensor:
 
 @first_visible_key.register_fake
 def _first_visible_key_fake(visible: Tensor) -> Tensor:
-    if visible.dtype != torch.bool or visible.dim() != 2:
-        raise ValueError(f"visible must be a 2-D bool tensor (B, N), got {visible.dtype} of shape {tuple(visible.shape)}")
+    _check_visible(visible)
     return visible.new_empty(visible.shape[:1], dtype=torch.int32)

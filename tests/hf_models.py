@@ -69,6 +69,18 @@ REFERENCE_NAME = "hashattention_test_reference"
 _ORACLE = {}
 
 
+def left_padded_batch(lengths, seed):
+    """Random rows of the given lengths, left-padded with PAD: (rows, ids (B, max), 0/1 mask (B, max))."""
+    rows = [random_ids(1, n, seed + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return rows, ids, mask
+
+
 def configure_reference(adapters: HashAdapters, config: HashAttentionConfig, sparse_from: int) -> None:
     """Rows at positions ``>= sparse_from`` (in cache coordinates) run sparse; earlier ones dense."""
     _ORACLE.update(adapters=adapters, config=config, sparse_from=sparse_from)

@@ -11,7 +11,7 @@ from hashattention.cache import SignatureDynamicLayer, SignatureStaticLayer
 from hashattention.config import HashAttentionConfig
 from hashattention.patching import is_patched, patch, unpatch
 
-from hf_models import PAD, REFERENCE_NAME, configure_reference, random_ids, tiny_adapters, tiny_model
+from hf_models import REFERENCE_NAME, configure_reference, left_padded_batch, random_ids, tiny_adapters, tiny_model
 
 PROMPT, STEPS = 40, 6
 LOGIT_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
@@ -135,17 +135,6 @@ def test_small_budget_equals_masked_reference(kind, selection, key_heads):
         dense = model(input_ids=sequence, use_cache=False).logits
     # The budget really is small: sparse logits differ from dense ones (so this test can fail).
     assert (patched[-1][:, -1] - dense[:, -1]).abs().max() > 1e-3
-
-
-def left_padded_batch(lengths, seed):
-    rows = [random_ids(1, n, seed + i)[0] for i, n in enumerate(lengths)]
-    width = max(lengths)
-    ids = torch.full((len(rows), width), PAD)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = row
-        mask[i, width - len(row) :] = 1
-    return rows, ids, mask
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

@@ -9,19 +9,14 @@ from hashattention.cache import SharedSelectionBounds
 from hashattention.config import HashAttentionConfig
 from hashattention.patching import patch
 
-from hf_models import PAD, random_ids, tiny_adapters, tiny_model
+from hf_models import left_padded_batch, tiny_adapters, tiny_model
 
 LOGIT_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 CONFIG = dict(sink_tokens=2, local_tokens=4, budget_tokens=12, sparse_prompt_tokens=5)
 
 
 def left_padded(lengths, seed):
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n :] = random_ids(1, n, seed + i)[0]
-        mask[i, width - n :] = 1
+    _, ids, mask = left_padded_batch(lengths, seed)
     return ids, mask
 
 
