@@ -34,7 +34,7 @@ fi
 if want ncu; then
   el "Nsight Compute counters of the selection, attention and encoder kernels (128K, per query head)"
   timeout ${NCU_SECONDS:-120} ncu --clock-control none -k "regex:${NCU_KERNELS:-resident_select|fast_|fused_mlp|sparse_attention}" \
-    --set detailed -c ${NCU_COUNT:-8} python3 scripts/profile_ops.py --n ${NCU_N:-131072} --selection query_head \
+    --set detailed -c ${NCU_COUNT:-8} python3 scripts/profile_ops.py --n ${NCU_N:-131072} --selection ${NCU_SELECTION:-query_head} --batch ${NCU_BATCH:-1} \
     --eager 2 --encode-batches 1 > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?"
   grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|L2 Hit" "$OUT/ncu.txt" | head -60
 fi
