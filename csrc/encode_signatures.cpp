@@ -1,4 +1,5 @@
-// CPU kernels of `encode_signatures` (per-head MLP -> sign -> packed bits) and `pack_signs`.
+// CPU kernels of `encode_signatures` (per-head MLP -> sign -> packed bits), `encode_signatures_pair`
+// (a decode step's query and key problems in one call) and `pack_signs`.
 //
 // The MLP is a handful of batched matrix products, so the CPU version runs them through
 // ATen in float32 (oneDNN/OpenBLAS do that well); the part written here is the sign-and-pack
@@ -6,7 +7,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <tuple>
+
 #include "checks.h"
+#include "encode_heads.h"
 #include "outputs.h"
 #include "mlp_activation.h"
 #include "op_arguments.h"
@@ -59,8 +63,21 @@ at::Tensor encode_signatures_cpu(const at::Tensor& x, at::TensorList weights, at
   return pack_rows_cpu(h, rows, dims.bits).view({dims.batch, dims.heads, dims.tokens, dims.words});
 }
 
+// On the CPU the pair is just two encodes (one call saves nothing here); the key's heads are
+// mapped onto the key MLP heads by a copy.
+std::tuple<at::Tensor, at::Tensor> encode_signatures_pair_cpu(const at::Tensor& query, at::TensorList query_weights,
+                                                              at::TensorList query_biases, const at::Tensor& key,
+                                                              at::TensorList key_weights, at::TensorList key_biases,
+                                                              c10::string_view activation) {
+  const EncodePairDims dims = check_encode_pair_args(query, query_weights.vec(), query_biases.vec(), key,
+                                                     key_weights.vec(), key_biases.vec(), std::string(activation));
+  return {encode_signatures_cpu(query, query_weights, query_biases, activation),
+          encode_signatures_cpu(repeat_x_heads(key, dims.key.heads), key_weights, key_biases, activation)};
+}
+
 TORCH_LIBRARY_IMPL(hashattention, CPU, m) {
   m.impl("encode_signatures", &encode_signatures_cpu);
+  m.impl("encode_signatures_pair", &encode_signatures_pair_cpu);
   m.impl("pack_signs", &pack_signs_cpu);
 }
 

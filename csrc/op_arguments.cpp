@@ -15,41 +15,78 @@ bool is_known_activation(const std::string& a) {
 }
 }  // namespace
 
-EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                             const std::vector<at::Tensor>& biases, const std::string& activation) {
-  check_floating(x, "x");
-  check_dim(x, 4, "x", "(batch, heads, tokens, input_dim)");
-  check_nonempty_batch(x.size(0), "x");
-  TORCH_CHECK_VALUE(!weights.empty(), "weights must hold at least one layer, got an empty list");
-  TORCH_CHECK_VALUE(weights.size() == biases.size(), "weights and biases must have one entry per layer, got ",
-                    as_text(weights.size()), " weights and ", as_text(biases.size()), " biases");
+namespace {
+
+// The checks of one encoder problem. `names` are the argument names the messages use. With
+// `x_heads_divide`, x may have fewer heads than the MLP stack (a divisor of them): MLP head h then
+// reads x head h // (heads / x_heads), which is how the key of encode_signatures_pair reads KV-head
+// keys for per-query-head MLPs without a repeated copy.
+EncodeDims check_encode_problem(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                const std::vector<at::Tensor>& biases, const std::string& activation,
+                                const EncodeArgNames& names, bool x_heads_divide) {
+  check_floating(x, names.x);
+  check_dim(x, 4, names.x, "(batch, heads, tokens, input_dim)");
+  check_nonempty_batch(x.size(0), names.x);
+  TORCH_CHECK_VALUE(!weights.empty(), as_text(names.weights), " must hold at least one layer, got an empty list");
+  TORCH_CHECK_VALUE(weights.size() == biases.size(), as_text(names.weights), " and ", as_text(names.biases),
+                    " must have one entry per layer, got ", as_text(weights.size()), " ", as_text(names.weights),
+                    " and ", as_text(biases.size()), " ", as_text(names.biases));
   TORCH_CHECK_VALUE(is_known_activation(activation), "activation must be one of 'silu', 'relu', 'gelu', ",
                     "'tanh', 'identity', got '", as_text(activation), "'");
-  const int64_t heads = x.size(1);
+  const int64_t x_heads = x.size(1);
+  int64_t heads = x_heads;
   int64_t width = x.size(3);
+  const std::string first_weights = std::string(names.weights) + "[0]";
   for (size_t i = 0; i < weights.size(); ++i) {
-    const auto wname = "weights[" + std::to_string(i) + "]";
-    const auto bname = "biases[" + std::to_string(i) + "]";
+    const auto wname = std::string(names.weights) + "[" + std::to_string(i) + "]";
+    const auto bname = std::string(names.biases) + "[" + std::to_string(i) + "]";
     const at::Tensor& w = weights[i];
     const at::Tensor& b = biases[i];
     check_floating(w, wname.c_str());
     check_floating(b, bname.c_str());
-    check_same_device(w, x, wname.c_str(), "x");
-    check_same_device(b, x, bname.c_str(), "x");
+    check_same_device(w, x, wname.c_str(), names.x);
+    check_same_device(b, x, bname.c_str(), names.x);
     check_dim(w, 3, wname.c_str(), "(heads, in_features, out_features)");
+    if (i == 0 && x_heads_divide) {
+      heads = w.size(0);
+      TORCH_CHECK_VALUE(x_heads >= 1 && heads % x_heads == 0, as_text(names.x), " heads (", as_text(x_heads),
+                        ") must divide ", as_text(wname), " heads (", as_text(heads), "): MLP head h reads ",
+                        as_text(names.x), " head h // (", as_text(heads), " / ", as_text(x_heads), ")");
+    }
     TORCH_CHECK_VALUE(w.size(0) == heads, as_text(wname), " must have one matrix per head (", as_text(heads),
-                      " heads in x), got shape ", as_text(w.sizes()));
+                      as_text(x_heads_divide ? " heads in " + first_weights : " heads in " + std::string(names.x)),
+                      "), got shape ", as_text(w.sizes()));
     TORCH_CHECK_VALUE(w.size(1) == width, as_text(wname), " must have in_features = ", as_text(width),
-                      as_text((i == 0 ? " (the last dimension of x)" : " (out_features of the previous layer)")),
+                      as_text(i == 0 ? " (the last dimension of " + std::string(names.x) + ")"
+                                     : std::string(" (out_features of the previous layer)")),
                       ", got shape ", as_text(w.sizes()));
     TORCH_CHECK_VALUE(w.size(2) > 0, as_text(wname), " must have out_features >= 1, got shape ", as_text(w.sizes()));
     width = w.size(2);
     TORCH_CHECK_VALUE(b.dim() == 2 && b.size(0) == heads && b.size(1) == width, as_text(bname),
                       " must have shape (heads, out_features) = (", as_text(heads), ", ", as_text(width), "), got ", as_text(b.sizes()));
   }
-  TORCH_CHECK_VALUE(width % 32 == 0, "the last layer's out_features (the signature bits) must be a ",
-                    "multiple of 32, got ", as_text(width));
-  return EncodeDims{x.size(0), heads, x.size(2), x.size(3), width, width / 32};
+  TORCH_CHECK_VALUE(width % 32 == 0, "the last layer's out_features in ", as_text(names.weights),
+                    " (the signature bits) must be a multiple of 32, got ", as_text(width));
+  return EncodeDims{x.size(0), heads, x.size(2), x.size(3), width, width / 32, x_heads};
+}
+
+}  // namespace
+
+EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                             const std::vector<at::Tensor>& biases, const std::string& activation) {
+  return check_encode_problem(x, weights, biases, activation, EncodeArgNames{"x", "weights", "biases"}, false);
+}
+
+EncodePairDims check_encode_pair_args(const at::Tensor& query, const std::vector<at::Tensor>& query_weights,
+                                      const std::vector<at::Tensor>& query_biases, const at::Tensor& key,
+                                      const std::vector<at::Tensor>& key_weights,
+                                      const std::vector<at::Tensor>& key_biases, const std::string& activation) {
+  const EncodeDims q = check_encode_problem(query, query_weights, query_biases, activation,
+                                            EncodeArgNames{"query", "query_weights", "query_biases"}, false);
+  check_same_device(key, query, "key", "query");
+  const EncodeDims k = check_encode_problem(key, key_weights, key_biases, activation,
+                                            EncodeArgNames{"key", "key_weights", "key_biases"}, true);
+  return EncodePairDims{q, k};
 }
 
 int64_t check_pack_args(const at::Tensor& values) {

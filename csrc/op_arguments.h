@@ -15,9 +15,29 @@ namespace hashattention {
 
 struct EncodeDims {
   int64_t batch, heads, tokens, input_dim, bits, words;
+  int64_t x_heads;  // heads of x: `heads`, or a divisor of it for the key of encode_signatures_pair
+  // MLP head h reads x head h / heads_per_x_head().
+  int64_t heads_per_x_head() const { return x_heads == 0 ? 1 : heads / x_heads; }
+};
+// Argument names used in the messages of one encoder problem.
+struct EncodeArgNames {
+  const char* x;
+  const char* weights;
+  const char* biases;
 };
 EncodeDims check_encode_args(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                              const std::vector<at::Tensor>& biases, const std::string& activation);
+
+// encode_signatures_pair: the query problem as encode_signatures checks it; the key problem the
+// same, except that key (B, Hx, N, D) may have fewer heads than key_weights: Hx must divide them.
+// Messages name query/query_weights/... and key/key_weights/... .
+struct EncodePairDims {
+  EncodeDims query, key;
+};
+EncodePairDims check_encode_pair_args(const at::Tensor& query, const std::vector<at::Tensor>& query_weights,
+                                      const std::vector<at::Tensor>& query_biases, const at::Tensor& key,
+                                      const std::vector<at::Tensor>& key_weights,
+                                      const std::vector<at::Tensor>& key_biases, const std::string& activation);
 
 // pack_signs: returns the number of bits (a positive multiple of 32) of `values` (..., bits).
 int64_t check_pack_args(const at::Tensor& values);

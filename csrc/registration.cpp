@@ -30,6 +30,14 @@ TORCH_LIBRARY(hashattention, m) {
   // Per-head MLP -> sign -> packed bits. x: (B, H, N, D); weights[i]: (H, in_i, out_i);
   // biases[i]: (H, out_i). Returns int32 (B, H, N, out_last / 32).
   m.def("encode_signatures(Tensor x, Tensor[] weights, Tensor[] biases, str activation=\"silu\") -> Tensor");
+  // A decode step's two encodes in one call (one CUDA launch): exactly
+  // (encode_signatures(query, query_weights, query_biases), encode_signatures(key expanded, key_weights,
+  // key_biases)), where key (B, Hx, N, D) may have fewer heads than key_weights (Hx divides them;
+  // key-signature head h reads key head h // (Hk / Hx)). Query and key may differ in B, N, D, widths.
+  m.def(
+      "encode_signatures_pair(Tensor query, Tensor[] query_weights, Tensor[] query_biases, Tensor key, "
+      "Tensor[] key_weights, Tensor[] key_biases, str activation=\"silu\") -> (Tensor query_signatures, "
+      "Tensor key_signatures)");
   // Float (..., bits) -> int32 (..., bits / 32); bit j of word w is 1 iff values[..., 32w + j] > 0.
   m.def("pack_signs(Tensor values) -> Tensor");
   // Similarity = bits - popcount(q XOR k) summed over words (and over a group's query heads

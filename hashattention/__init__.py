@@ -16,6 +16,7 @@ from .adapters import AdapterConfig, HashAdapters  # noqa: E402
 from .config import HashAttentionConfig  # noqa: E402
 from .ops import (  # noqa: E402
     encode_signatures,
+    encode_signatures_pair,
     hamming_scores,
     hamming_topk,
     pack_signs,
@@ -46,6 +47,7 @@ __all__ = [
     "patch",
     "unpatch",
     "encode_signatures",
+    "encode_signatures_pair",
     "hamming_scores",
     "hamming_topk",
     "ops",

@@ -4,7 +4,8 @@ Each attention layer has two :class:`HeadwiseMLP` stacks, one for queries (one M
 head) and one for keys (one MLP per query head, as in the paper, or one per KV head for the
 group-shared mode). Weights are stored as ``(heads, in_features, out_features)`` stacks so a
 whole layer runs as one batched product, in training (float, differentiable, :meth:`forward`)
-and at inference (packed int32 signatures through ``torch.ops.hashattention.encode_signatures``).
+and at inference (packed int32 signatures through ``torch.ops.hashattention.encode_signatures``,
+or ``encode_signatures_pair`` for a decode step's queries and new keys together).
 
 Files: ``save_pretrained(dir)`` writes ``adapters.safetensors`` (tensors only, no pickle) and
 ``adapter_config.json`` (architecture, the model it was trained for, training recipe and
@@ -20,7 +21,7 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -152,6 +153,30 @@ class LayerAdapter(nn.Module):
     def key_signatures(self, key: Tensor) -> Tensor:
         """int32 ``(B, Hk, N, W)`` from post-RoPE keys ``(B, Hkv, N, D)``."""
         return self.key.signatures(self.expand_keys(key))
+
+    def decode_signatures(self, query: Tensor, key: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(query_signatures, key_signatures)`` of a decode step in one op call (one CUDA launch).
+
+        Args:
+            query: post-RoPE queries ``(B, Hq, L, D)``.
+            key: post-RoPE keys ``(B, Hkv, N, D)`` (e.g. the keys a cache layer just appended),
+                read per KV head: no repeated copy for per-query-head key MLPs.
+
+        Returns:
+            int32 ``(B, Hq, L, W)`` and int32 ``(B, Hk, N, W)``, equal to
+            :meth:`query_signatures` and :meth:`key_signatures`.
+        """
+        if self.query.activation != self.key.activation:  # the op takes one activation for both stacks
+            return self.query_signatures(query), self.key_signatures(key)
+        return ops.encode_signatures_pair(
+            query,
+            list(self.query.weights),
+            list(self.query.biases),
+            key,
+            list(self.key.weights),
+            list(self.key.biases),
+            self.query.activation,
+        )
 
 
 class HashAdapters(nn.Module):

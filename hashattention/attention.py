@@ -6,9 +6,12 @@ the whole preallocated buffer for a ``StaticCache``). Per forward call:
 
 * the first ``L - P`` query rows run dense through transformers' own SDPA path (``P`` =
   ``sparse_prompt_tokens``; a single-row decode step has ``P = 1``);
-* the last ``P`` rows run sparse: query signatures -> fused Hamming top-k against the key
-  signatures the cache layer stored when the keys were appended -> sparse attention over
-  the selected K/V rows.
+* the last ``P`` rows run sparse: query signatures -> fused Hamming top-k against the cache
+  layer's key signatures -> sparse attention over the selected K/V rows. A static cache layer
+  defers encoding the keys it just appended, so the query rows and those keys are encoded in
+  one op call (``encode_signatures_pair``: one encoder launch per layer and decode step) and
+  the keys' signatures are written into the cache before the selection reads them
+  (:meth:`hashattention.cache.SignatureStaticLayer.query_and_key_signatures`).
 
 Valid lengths come from the cache layer (a device tensor for static caches), left-padding
 offsets from the boolean mask built by :func:`hashattention_mask` (the first visible key of
@@ -135,6 +138,7 @@ def select_and_attend(
     start_positions: Tensor,
     scaling: float,
     budgets: Optional[Tensor] = None,
+    query_signatures: Optional[Tensor] = None,
 ) -> Tensor:
     """Sparse attention of query rows that end at each sequence's ``lengths``.
 
@@ -146,6 +150,8 @@ def select_and_attend(
         lengths, start_positions: int32 ``(B,)`` on the device.
         budgets: int32 ``(B,)`` heavy tokens per sequence; None: :func:`heavy_budgets` of the
             valid keys.
+        query_signatures: int32 ``(B, Hq, P, W)`` when already encoded (with the new keys, in
+            one call); None: encoded here.
 
     Returns:
         ``(B, Hq, P, D)`` in the query dtype.
@@ -153,7 +159,8 @@ def select_and_attend(
     config = runtime.config
     if budgets is None:
         budgets = heavy_budgets(config, lengths - start_positions)
-    query_signatures = runtime.adapter.query_signatures(query)
+    if query_signatures is None:
+        query_signatures = runtime.adapter.query_signatures(query)
     indices, counts = ops.hamming_topk(
         query_signatures,
         key_signatures,
@@ -189,23 +196,27 @@ def hashattention_attention_forward(
     batch, _, rows, head_dim = query.shape
     sparse_rows = rows if rows == 1 else min(runtime.config.sparse_prompt_tokens, rows)
     if sparse_rows == 0:
+        if cache_layer is not None:
+            cache_layer.flush_pending_keys()  # keys appended by this forward never outlive it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
         scaling = head_dim**-0.5
 
+    sparse_query = query[:, :, rows - sparse_rows :]
     if cache_layer is None:  # no cache (use_cache=False): encode the keys of this call
-        key_signatures = runtime.adapter.key_signatures(key)
+        query_signatures, key_signatures = runtime.adapter.decode_signatures(sparse_query, key)
         lengths = torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
     else:
-        key_signatures = cache_layer.key_signatures
+        # Writes the keys this forward appended before the selection below reads them.
+        query_signatures, key_signatures = cache_layer.query_and_key_signatures(sparse_query)
         lengths = cache_layer.valid_lengths(batch, query.device)
     start_positions, budgets = selection_bounds(
         runtime.config, attention_mask, lengths, query.device, cache_layer, start_layer
     )
 
-    sparse_query = query[:, :, rows - sparse_rows :]
     sparse_out = select_and_attend(
-        runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling, budgets
+        runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling, budgets,
+        query_signatures=query_signatures,
     ).transpose(1, 2)
     if sparse_rows == rows:
         return sparse_out.contiguous(), None

@@ -1,12 +1,17 @@
 """Cache layers that keep packed key signatures next to K/V.
 
-Each key is encoded exactly once, when it is appended: ``update`` runs the layer's key MLP
-on the new post-RoPE keys only and stores the int32 signatures ``(B, Hk, N, W)`` beside
-the keys, so a decode step reads ``4 W`` bytes per key and head instead of re-encoding.
+Each key is encoded exactly once and stored as int32 signatures ``(B, Hk, N, W)`` beside the
+keys, so a decode step reads ``4 W`` bytes per key and head instead of re-encoding.
 
-* :class:`SignatureDynamicLayer` grows by concatenation, like transformers' ``DynamicLayer``.
+* :class:`SignatureDynamicLayer` grows by concatenation, like transformers' ``DynamicLayer``,
+  and encodes the new keys in ``update``.
 * :class:`SignatureStaticLayer` preallocates ``max_cache_len`` rows, like ``StaticLayer``,
-  and writes in place (static addresses, CUDA-graph safe).
+  and writes in place (static addresses, CUDA-graph safe). Its ``update`` only records the
+  appended keys as *pending*; the layer's attention forward then encodes them together with
+  its query rows in one op call (:meth:`SignatureStaticLayer.query_and_key_signatures`: one
+  encoder launch per layer and decode step instead of two) and writes them before the
+  selection. Every other read of ``key_signatures`` encodes pending keys first, so readers
+  always see every appended key's signatures.
 
 Users do not build these by hand: :func:`hashattention.patch` converts the layers of
 whatever cache the model gets (``DynamicCache`` from ``generate``, a user's
@@ -157,49 +162,120 @@ class SignatureDynamicLayer(DynamicLayer):
         """int32 ``(B,)`` number of cached positions (left padding included)."""
         return torch.full((batch_size,), self.get_seq_length(), dtype=torch.int32, device=device)
 
+    def query_and_key_signatures(self, query: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(query_signatures (B, Hq, L, W), key_signatures (B, Hk, N, W))`` for an attention
+        forward; the keys were encoded in :meth:`update`, so only ``query`` is encoded here."""
+        return self.adapter.query_signatures(query), self.key_signatures
+
+    def flush_pending_keys(self) -> None:
+        """Nothing to do: this layer encodes keys in :meth:`update` (see :class:`SignatureStaticLayer`)."""
+
 
 class SignatureStaticLayer(StaticLayer):
     """A ``StaticLayer`` plus a preallocated ``key_signatures`` buffer ``(B, Hk, S, W)``.
 
     ``S`` is ``max_cache_len`` rounded up to a multiple of 4 (see :func:`aligned_signature_buffer`);
     row ``i < max_cache_len`` holds the signatures of cache slot ``i``.
+
+    :meth:`update` stores K/V at once but defers encoding the appended keys: it keeps them and
+    their slots as pending, and the attention forward of the same layer encodes them together
+    with its query rows in one op call (:meth:`query_and_key_signatures`; a decode step's two
+    encoder launches per layer become one), writing them into the buffer before the selection.
+    Everything else sees a complete buffer: the :attr:`key_signatures` property, ``update``,
+    ``reorder_cache`` and ``offload`` encode pending keys first (:meth:`flush_pending_keys`),
+    and ``reset`` drops them. A forward that runs no sparse rows flushes them too, so pending
+    keys never outlive the forward that appended them (under torch.compile they stay inside
+    one graph; no tensor escapes into a CUDA graph's outputs).
     """
 
     def __init__(self, max_cache_len: int, adapter: LayerAdapter, **kwargs):
         super().__init__(max_cache_len=max_cache_len)
         self.adapter = adapter
-        self.key_signatures: Optional[Tensor] = None
+        self._key_signatures: Optional[Tensor] = None
+        # Keys appended by the last update but not yet encoded: (B, Hkv, L, D) and their slots (L,).
+        self._pending_keys: Optional[Tensor] = None
+        self._pending_positions: Optional[Tensor] = None
         self.selection_bounds = SharedSelectionBounds()
+
+    @property
+    def key_signatures(self) -> Optional[Tensor]:
+        """int32 ``(B, Hk, S, W)`` with every appended key's signatures (pending keys are encoded first)."""
+        self.flush_pending_keys()
+        return self._key_signatures
+
+    @key_signatures.setter
+    def key_signatures(self, buffer: Optional[Tensor]) -> None:
+        # A buffer set from outside (a converted cache, a benchmark's pre-filled one) is taken as
+        # complete: keys still pending belong to the buffer it replaces.
+        self._drop_pending_keys()
+        self._key_signatures = buffer
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         config = self.adapter.config
-        self.key_signatures = aligned_signature_buffer(
+        self._key_signatures = aligned_signature_buffer(
             self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words, self.device
         )
         self.selection_bounds.allocate(self.batch_size, self.device)
         # Same reason as the K/V buffers: a fixed address keeps CUDA graphs valid across steps.
         if not is_torchdynamo_compiling():
-            torch._dynamo.mark_static_address(self.key_signatures)
+            torch._dynamo.mark_static_address(self._key_signatures)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> Tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # Positions before StaticLayer.update advances cumulative_length (device tensor: no host sync).
-        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
-        self.key_signatures.index_copy_(2, positions, self.adapter.key_signatures(key_states))
+        self.flush_pending_keys()  # an earlier chunk that no attention forward consumed
+        # Slots before StaticLayer.update advances cumulative_length (device tensor: no host sync).
+        self._pending_positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+        self._pending_keys = key_states
         return super().update(key_states, value_states)
+
+    def query_and_key_signatures(self, query: Tensor) -> Tuple[Tensor, Tensor]:
+        """Encode ``query`` and the pending keys in one op call; write the keys' signatures.
+
+        Args:
+            query: post-RoPE query rows ``(B, Hq, L, D)`` of the attention forward.
+
+        Returns:
+            ``(query_signatures, key_signatures)``: int32 ``(B, Hq, L, W)`` and the buffer
+            int32 ``(B, Hk, S, W)``, complete (the pending keys' rows written in place).
+        """
+        if self._pending_keys is None:
+            return self.adapter.query_signatures(query), self._key_signatures
+        query_signatures, new_signatures = self.adapter.decode_signatures(query, self._pending_keys)
+        self._write_pending(new_signatures)
+        return query_signatures, self._key_signatures
+
+    def flush_pending_keys(self) -> None:
+        """Encode pending keys (the single-stack encoder) and write them into the buffer."""
+        if self._pending_keys is not None:
+            self._write_pending(self.adapter.key_signatures(self._pending_keys))
+
+    def _write_pending(self, signatures: Tensor) -> None:
+        # In place at the pending slots (device positions: CUDA-graph safe, no host sync).
+        self._key_signatures.index_copy_(2, self._pending_positions, signatures)
+        self._drop_pending_keys()
+
+    def _drop_pending_keys(self) -> None:
+        self._pending_keys = None
+        self._pending_positions = None
 
     def reset(self) -> None:
         super().reset()
-        if self.key_signatures is not None:
-            self.key_signatures.zero_()
+        self._drop_pending_keys()  # their K/V rows were just cleared too
+        if self._key_signatures is not None:
+            self._key_signatures.zero_()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.flush_pending_keys()  # pending keys are in the old batch order
         super().reorder_cache(beam_idx)
-        if self.key_signatures is not None and self.get_seq_length() > 0:
+        if self._key_signatures is not None and self.get_seq_length() > 0:
             # index_select keeps the padded, contiguous layout.
-            self.key_signatures = self.key_signatures.index_select(0, beam_idx.to(self.key_signatures.device))
+            self._key_signatures = self._key_signatures.index_select(0, beam_idx.to(self._key_signatures.device))
+
+    def offload(self):
+        self.flush_pending_keys()  # the pending keys live on the device
+        super().offload()
 
     def valid_lengths(self, batch_size: int, device) -> Tensor:
         """int32 ``(B,)`` number of written positions, read on the device (CUDA-graph safe)."""

@@ -63,6 +63,55 @@ def _encode_signatures_fake(x, weights, biases, activation="silu"):
     return x.new_empty((*x.shape[:-1], bits // 32), dtype=torch.int32)
 
 
+def encode_signatures_pair(
+    query: Tensor,
+    query_weights: Sequence[Tensor],
+    query_biases: Sequence[Tensor],
+    key: Tensor,
+    key_weights: Sequence[Tensor],
+    key_biases: Sequence[Tensor],
+    activation: str = "silu",
+) -> Tuple[Tensor, Tensor]:
+    """A decode step's query and key signatures in one call (one fused CUDA launch).
+
+    Exactly ``(encode_signatures(query, query_weights, query_biases, activation),
+    encode_signatures(key_expanded, key_weights, key_biases, activation))``, where ``key`` may
+    have fewer heads than the key MLP stack: key-signature head ``h`` reads key head
+    ``h // (Hk // Hx)`` (KV-head keys for per-query-head key MLPs, without a repeated copy).
+
+    Args:
+        query: ``(B, Hq, L, D)`` float32/float16/bfloat16.
+        query_weights, query_biases: the query MLP stack, as in :func:`encode_signatures`
+            (``(Hq, in, out)`` and ``(Hq, out)`` per layer).
+        key: ``(B', Hx, N, D')`` float32/float16/bfloat16, with ``Hx`` dividing ``Hk``; ``B``,
+            ``N``, ``D`` and the dtype may differ from the query's.
+        key_weights, key_biases: the key MLP stack, ``(Hk, in, out)`` and ``(Hk, out)`` per
+            layer; the first ``in`` is ``D'``.
+        activation: shared by both stacks (see :func:`encode_signatures`).
+
+    Returns:
+        ``(query_signatures, key_signatures)``: int32 ``(B, Hq, L, Wq)`` and int32
+        ``(B', Hk, N, Wk)`` (``W`` = the stack's last ``out_features // 32``).
+
+    On CUDA both problems run in one launch of the fused encoder when each has at most 64 rows
+    per head (``B * L`` and ``B' * N``: a decode step) and they share the input dtype and the
+    weight dtype; otherwise each runs on its own path, with the same results. Errors name the
+    argument (``query``, ``key_weights[1]``, ...).
+    """
+    return torch.ops.hashattention.encode_signatures_pair.default(
+        query, list(query_weights), list(query_biases), key, list(key_weights), list(key_biases), activation
+    )
+
+
+@torch.library.register_fake("hashattention::encode_signatures_pair")
+def _encode_signatures_pair_fake(query, query_weights, query_biases, key, key_weights, key_biases, activation="silu"):
+    query_signatures = _encode_signatures_fake(query, query_weights, query_biases, activation)
+    batch, _, tokens, _ = key.shape
+    key_heads = key_weights[0].shape[0]  # the MLP heads, not key's (which may be fewer)
+    key_signatures = key.new_empty((batch, key_heads, tokens, key_weights[-1].shape[-1] // 32), dtype=torch.int32)
+    return query_signatures, key_signatures
+
+
 def pack_signs(values: Tensor) -> Tensor:
     """Pack signs computed elsewhere: float ``(..., bits)`` -> int32 ``(..., bits // 32)``.
 

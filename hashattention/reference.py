@@ -58,6 +58,24 @@ def encode_signatures(
     return pack_signs(mlp_outputs(x, weights, biases, activation))
 
 
+def encode_signatures_pair(
+    query: Tensor,
+    query_weights: Sequence[Tensor],
+    query_biases: Sequence[Tensor],
+    key: Tensor,
+    key_weights: Sequence[Tensor],
+    key_biases: Sequence[Tensor],
+    activation: str = "silu",
+) -> Tuple[Tensor, Tensor]:
+    """Two float64 :func:`encode_signatures`; key head ``h`` of the key stack reads ``key`` head ``h // (Hk // Hx)``."""
+    key_heads = key_weights[0].shape[0]
+    expanded = key.repeat_interleave(key_heads // key.shape[1], dim=1)
+    return (
+        encode_signatures(query, query_weights, query_biases, activation),
+        encode_signatures(expanded, key_weights, key_biases, activation),
+    )
+
+
 def hamming_scores(query_signatures: Tensor, key_signatures: Tensor, selection_heads: int) -> Tensor:
     """int32 ``(B, Hs, L, N)``: per query head ``bits - hamming distance``, summed over each group."""
     batch, query_heads, rows, words = query_signatures.shape

@@ -1,6 +1,7 @@
 """Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see scripts/gpu_check.sh).
 
-Covers each kernel path once or twice: the fused and the cuBLAS encoder, sign-and-pack,
+Covers each kernel path once or twice: the fused and the cuBLAS encoder (alone and as a pair),
+sign-and-pack,
 Hamming scores, the one-launch, chunked and radix-select paths of hamming_topk,
 topk_from_scores, sparse_attention with one and with several splits, HF and paged layouts,
 with counts and without. Results are compared with the
@@ -24,6 +25,14 @@ def main():
     ha.encode_signatures(x.cuda(), [w.cuda() for w in weights], [b.cuda() for b in biases])  # fused (10 rows)
     x_long = torch.randn(2, 3, 40, 64, generator=g)  # 80 rows per head: the cuBLAS path
     ha.encode_signatures(x_long.cuda(), [w.cuda() for w in weights], [b.cuda() for b in biases])
+    # encode_signatures_pair: one fused launch for both problems (the key's 1 head read by all 3
+    # MLP heads, more key rows than query rows), then a cuBLAS key beside a fused query.
+    cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
+    for key in (torch.randn(2, 1, 7, 64, generator=g), torch.randn(2, 1, 40, 64, generator=g)):
+        query = x[:, :, :1]
+        got = ha.encode_signatures_pair(query.cuda(), cuda(weights), cuda(biases), key.cuda(), cuda(weights), cuda(biases))
+        expected = ha.encode_signatures_pair(query, weights, biases, key, weights, biases)
+        assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape, "encode_signatures_pair"
     values = torch.randn(7, 96, generator=g)
     assert torch.equal(ha.pack_signs(values.cuda()).cpu(), ha.pack_signs(values))
 

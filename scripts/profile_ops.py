@@ -9,7 +9,8 @@ mean duration over the profiled steps, and the gap between launches that a graph
     ncu --clock-control none -k regex:fast_ python scripts/profile_ops.py --n 131072 --eager 3  # hardware counters
 
 The encoder of one decode step (a new query or key row per head: `encode_signatures` on
-(B, 32, 1, 128) with bf16 MLP weights 128 -> 128 -> 32) is profiled the same way (--encode-batches).
+(B, 32, 1, 128) with bf16 MLP weights 128 -> 128 -> 32) is profiled the same way (--encode-batches), and so
+is the pair a decode step actually runs (`encode_signatures_pair`: query and new key rows in one launch).
 
 Shapes follow bench_decode.py: 32 query heads, 8 KV heads, D = 128, bf16, sink = local = 128,
 one signature word (32 bits) per head. Prints one table per configuration.
@@ -80,6 +81,23 @@ def build_encode_step(batch: int):
     return lambda: ha.encode_signatures(x, weights, biases, "silu")
 
 
+def build_encode_pair_step(batch: int):
+    """One decode step's query and new-key encoding in one encode_signatures_pair launch: the key
+    row of each KV head read by the per-query-head key MLPs (no repeated copy)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    query = torch.randn(batch, 1, QUERY_HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    key = torch.randn(batch, 1, KV_HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    sizes = (HEAD_DIM, 128, 32)
+
+    def stack():
+        weights = [torch.randn(QUERY_HEADS, i, o, generator=g, device="cuda").mul(i**-0.5).to(torch.bfloat16)
+                   for i, o in zip(sizes[:-1], sizes[1:])]
+        return weights, [torch.zeros(QUERY_HEADS, o, device="cuda", dtype=torch.bfloat16) for o in sizes[1:]]
+
+    (qw, qb), (kw, kb) = stack(), stack()
+    return lambda: ha.encode_signatures_pair(query, qw, qb, key, kw, kb, "silu")
+
+
 def report(title: str, step, args) -> None:
     if args.eager:
         for _ in range(args.eager):
@@ -138,6 +156,7 @@ def main():
                 report(f"{selection}, B={args.batch}, n={n}, {sparsity}x", build_step(n, args.batch, sparsity, selection), args)
     for batch in args.encode_batches:
         report(f"encode (query side of a decode step), B={batch}", build_encode_step(batch), args)
+        report(f"encode pair (query and key of a decode step, one launch), B={batch}", build_encode_pair_step(batch), args)
 
 
 if __name__ == "__main__":

@@ -139,3 +139,32 @@ def test_encode_pack_and_scores_graph_replays():
         graph.replay()
         torch.cuda.synchronize()
         assert_equal_outputs(static_outputs, step(), f"encode replay {replay}")
+
+
+@pytest.mark.parametrize("key_rows", [1, 70])  # one fused launch; the key on cuBLAS, the query fused
+def test_encode_pair_graph_replays(key_rows):
+    g = generator_for("graph-encode-pair", key_rows)
+    dev = "cuda"
+    query = torch.empty(2, 8, 1, 64, dtype=torch.bfloat16, device=dev)
+    key = torch.empty(1, 2, key_rows, 64, dtype=torch.bfloat16, device=dev)
+    qw = [(torch.randn(8, 64, 64, generator=g) * 0.1).to(dev, torch.bfloat16),
+          (torch.randn(8, 64, 32, generator=g) * 0.1).to(dev, torch.bfloat16)]
+    qb = [(torch.randn(8, 64, generator=g) * 0.1).to(dev, torch.bfloat16),
+          (torch.randn(8, 32, generator=g) * 0.1).to(dev, torch.bfloat16)]
+    kw = [w.flip(0).contiguous() for w in qw]
+    kb = [b.flip(0).contiguous() for b in qb]
+
+    def fill():
+        query.copy_(torch.randn(query.shape, generator=g).to(torch.bfloat16))
+        key.copy_(torch.randn(key.shape, generator=g).to(torch.bfloat16))
+
+    def step():
+        return ha.encode_signatures_pair(query, qw, qb, key, kw, kb)
+
+    fill()
+    graph, static_outputs = capture_cuda_graph(step)
+    for replay in range(3):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal_outputs(static_outputs, step(), f"encode pair replay {replay}")

@@ -29,6 +29,9 @@ def sample_calls(device):
     block_table = torch.randperm(20, generator=g)[:14].reshape(2, 7).to(torch.int32).to(device)
     return [
         ("encode_signatures", (x, weights, biases, "silu")),
+        # A decode step: 4 query heads and key MLPs over 2 KV heads, different N; then Hx = Hk.
+        ("encode_signatures_pair", (x[:, :, :1], weights, biases, x[:, :2, :3], weights, biases, "silu")),
+        ("encode_signatures_pair", (x, weights, biases, x[:1, :, 1:3], weights, biases, "gelu")),
         ("pack_signs", (torch.randn(3, 5, 64, generator=g).to(device),)),
         ("hamming_scores", (q_sig, k_sig, 2)),
         ("hamming_topk", (q_sig, k_sig, lengths, starts, budgets, 4, 4, 4, 8)),
@@ -40,7 +43,7 @@ def sample_calls(device):
     ]
 
 
-@pytest.mark.parametrize("call", range(9))
+@pytest.mark.parametrize("call", range(len(sample_calls("cpu"))))
 def test_opcheck(device, call):
     name, args = sample_calls(device)[call]
     torch.library.opcheck(getattr(OPS, name).default, args)

@@ -18,9 +18,17 @@
 // launch (H200, Llama-3.1-8B shape, 64 launches per decode step). Now every layer's weights are
 // requested at once with cp.async (no register round trip, all in flight), the input rows and
 // the biases load while they arrive, and there is one wait.
+//
+// A decode step encodes its query rows and its new key rows; at batch 1 each launch is ~9.5 us of
+// latency (H200), so encode_signatures_pair runs both problems in ONE launch: the kernel takes two
+// problem descriptors and the blocks beyond the first problem's heads serve the second. The key
+// problem reads KV-head keys for per-query-head MLPs through a head divisor (MLP head h reads x
+// head h / heads_per_x_head) instead of a repeated copy. encode_signatures launches the same
+// kernel with one descriptor, so the two ops share every instantiation.
 #include "encode_fused.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "cuda_common.cuh"
 
@@ -53,7 +61,15 @@ struct FusedMlpParams {
   bool all_staged;                   // every layer's weights are staged together, up front
   int activation;
   int32_t* out;  // contiguous (B, H, N, words)
-  int64_t heads;
+  int64_t heads;             // H, the MLP heads
+  int64_t heads_per_x_head;  // MLP head h reads x head h / heads_per_x_head (x has H / heads_per_x_head heads)
+};
+
+// One launch: problems[0] gets blocks x in [0, first_heads), problems[1] (if any) the rest. Both
+// share x_t, w_t and kRows (the row count of the larger problem picks kRows).
+struct FusedMlpLaunch {
+  FusedMlpParams problems[2];
+  int64_t first_heads;
 };
 
 __device__ __forceinline__ float activate(float v, int activation) {
@@ -103,7 +119,14 @@ __device__ __forceinline__ void stage(T* __restrict__ dst, const T* __restrict__
 // kRows: rows per block, a power of two <= kRowsPerBlock (the smallest that holds the rows of
 // a head, so a batch-1 decode step computes one accumulator per output unit, not eight).
 template <typename x_t, typename w_t, int kRows>
-__global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams p) {
+__global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch launch) {
+  // Block-uniform choice of the problem; the grid's rows cover the larger problem, so the other
+  // one's surplus row blocks leave at once (before any barrier).
+  const bool second = int64_t(blockIdx.x) >= launch.first_heads;
+  const FusedMlpParams& p = launch.problems[second ? 1 : 0];
+  const int64_t h = second ? int64_t(blockIdx.x) - launch.first_heads : int64_t(blockIdx.x);
+  const int64_t row0 = int64_t(blockIdx.y) * kRows;
+  if (row0 >= p.rows) return;
   extern __shared__ float4 shared_raw[];  // 16-byte aligned
   // Layout: two activation buffers of kRows * width_stride floats, every layer's biases (as
   // float, width_stride each), then the weight staging buffer (every layer, or one tile).
@@ -111,8 +134,6 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
   float* next = in + kRows * p.width_stride;
   float* biases = next + kRows * p.width_stride;
   w_t* staged = reinterpret_cast<w_t*>(biases + p.layers * p.width_stride);
-  const int64_t h = blockIdx.x;
-  const int64_t row0 = int64_t(blockIdx.y) * kRows;
   const int rows = static_cast<int>(min64(kRows, p.rows - row0));
 
   // When every layer's weights fit in the staging buffer together (the paper's MLP: 72 KB in
@@ -128,12 +149,12 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpParams
     }
   }
 
-  const x_t* x = static_cast<const x_t*>(p.x);
+  const x_t* x = static_cast<const x_t*>(p.x) + (h / p.heads_per_x_head) * p.xs1;
   const int d = p.widths[0];
   for (int i = threadIdx.x; i < kRows * d; i += kThreads) {
     const int r = i / d, k = i % d;
     const int64_t row = row0 + r, b = row / p.tokens, n = row % p.tokens;
-    in[r * p.width_stride + k] = r < rows ? static_cast<float>(x[b * p.xs0 + h * p.xs1 + n * p.xs2 + k * p.xs3]) : 0.0f;
+    in[r * p.width_stride + k] = r < rows ? static_cast<float>(x[b * p.xs0 + n * p.xs2 + k * p.xs3]) : 0.0f;
   }
   for (int layer = 0; layer < p.layers; ++layer) {
     const int fan_out = p.widths[layer + 1];
@@ -213,43 +234,98 @@ int activation_code(const std::string& activation) {
   return kIdentity;
 }
 
-template <typename x_t, typename w_t, int kRows>
-void launch_kernel(FusedMlpParams p, dim3 grid) {
-  // Activations and biases, then every layer's weights at once when the total fits (each
-  // layer rounded up to 8 elements, as staged_elements does), else kStageBytes tiles (at most
-  // 64 + 32 + 64 KB with kMaxWidth and kRowsPerBlock).
+// Dynamic shared memory one block of problem p needs: activations and biases, then every
+// layer's weights at once when the total fits (each layer rounded up to 8 elements, as
+// staged_elements does; sets p.all_staged), else kStageBytes tiles (at most 64 + 32 + 64 KB with
+// kMaxWidth and kRowsPerBlock).
+template <typename w_t, int kRows>
+int64_t prepare_shared_memory(FusedMlpParams& p) {
   const int64_t floats = int64_t(sizeof(float)) * (2 * kRows + p.layers) * p.width_stride;
   int64_t weights = 0;
   for (int layer = 0; layer < p.layers; ++layer) weights += (int64_t(p.widths[layer]) * p.widths[layer + 1] + 7) / 8 * 8;
   weights *= int64_t(sizeof(w_t));
   p.all_staged = floats + weights <= kMaxSharedBytes;
-  const size_t smem = static_cast<size_t>(floats + (p.all_staged ? weights : kStageBytes));
+  return floats + (p.all_staged ? weights : kStageBytes);
+}
+
+template <typename x_t, typename w_t, int kRows>
+void launch_kernel(FusedMlpLaunch launch, int problems, dim3 grid) {
+  int64_t smem = 0;  // the larger problem's layout; each problem uses its own within it
+  for (int i = 0; i < problems; ++i) smem = std::max(smem, prepare_shared_memory<w_t, kRows>(launch.problems[i]));
   auto kernel = fused_mlp_sign_kernel<x_t, w_t, kRows>;
-  allow_shared_memory(kernel, smem);
-  kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  allow_shared_memory(kernel, static_cast<size_t>(smem));
+  kernel<<<grid, kThreads, static_cast<size_t>(smem), at::cuda::getCurrentCUDAStream()>>>(launch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename x_t, int kRows>
-void launch_for_input(const FusedMlpParams& p, at::ScalarType weight_type, dim3 grid) {
+void launch_for_input(const FusedMlpLaunch& launch, int problems, at::ScalarType weight_type, dim3 grid) {
   switch (weight_type) {  // fused_encode_applies admits these three
-    case at::kFloat: return launch_kernel<x_t, float, kRows>(p, grid);
-    case at::kHalf: return launch_kernel<x_t, at::Half, kRows>(p, grid);
-    case at::kBFloat16: return launch_kernel<x_t, at::BFloat16, kRows>(p, grid);
+    case at::kFloat: return launch_kernel<x_t, float, kRows>(launch, problems, grid);
+    case at::kHalf: return launch_kernel<x_t, at::Half, kRows>(launch, problems, grid);
+    case at::kBFloat16: return launch_kernel<x_t, at::BFloat16, kRows>(launch, problems, grid);
     default: TORCH_CHECK(false, "encode_signatures: internal error: no fused kernel for weights of type ", weight_type);
   }
 }
 
 template <int kRows>
-void launch_rows(const FusedMlpParams& p, at::ScalarType x_type, at::ScalarType weight_type) {
-  const dim3 grid(static_cast<unsigned>(p.heads), static_cast<unsigned>(ceil_div(p.rows, int64_t(kRows))));
+void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
+  int64_t heads = 0, rows = 0;
+  for (int i = 0; i < problems; ++i) {
+    heads += launch.problems[i].heads;
+    rows = std::max(rows, launch.problems[i].rows);
+  }
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(ceil_div(rows, int64_t(kRows))));
   switch (x_type) {
-    case at::kFloat: return launch_for_input<float, kRows>(p, weight_type, grid);
-    case at::kHalf: return launch_for_input<at::Half, kRows>(p, weight_type, grid);
-    case at::kBFloat16: return launch_for_input<at::BFloat16, kRows>(p, weight_type, grid);
+    case at::kFloat: return launch_for_input<float, kRows>(launch, problems, weight_type, grid);
+    case at::kHalf: return launch_for_input<at::Half, kRows>(launch, problems, weight_type, grid);
+    case at::kBFloat16: return launch_for_input<at::BFloat16, kRows>(launch, problems, weight_type, grid);
     default: TORCH_CHECK(false, "encode_signatures: internal error: no fused kernel for x of type ", x_type);
   }
 }
+
+// Launches the fused kernel once for `problems` (1 or 2) non-empty problems of the same x and
+// weight dtypes. The smallest kRows that holds the larger problem's rows per head: a batch-1
+// decode step computes one accumulator per output unit, not eight.
+void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
+  int64_t rows = 0;
+  for (int i = 0; i < problems; ++i) rows = std::max(rows, launch.problems[i].rows);
+  if (rows == 1) return launch_rows<1>(launch, problems, x_type, weight_type);
+  if (rows == 2) return launch_rows<2>(launch, problems, x_type, weight_type);
+  if (rows <= 4) return launch_rows<4>(launch, problems, x_type, weight_type);
+  launch_rows<kRowsPerBlock>(launch, problems, x_type, weight_type);
+}
+
+// The descriptor of one problem: x (B, Hx, N, D) any strides, weights[i] (H, in, out) and
+// biases[i] (H, out) with Hx dividing H, out contiguous int32 (B, H, N, words). Contiguous
+// copies of the weights (usually the tensors themselves) are appended to `kept`, which must
+// outlive the launch.
+FusedMlpParams describe_problem(const at::Tensor& x, at::TensorList weights, at::TensorList biases, int activation,
+                                at::Tensor& out, std::vector<at::Tensor>& kept) {
+  FusedMlpParams p{};
+  p.x = x.data_ptr();
+  p.xs0 = x.stride(0), p.xs1 = x.stride(1), p.xs2 = x.stride(2), p.xs3 = x.stride(3);
+  p.tokens = x.size(2), p.rows = x.size(0) * x.size(2);
+  p.heads = weights[0].size(0);
+  p.heads_per_x_head = x.size(1) > 0 ? p.heads / x.size(1) : 1;
+  p.layers = static_cast<int>(weights.size());
+  p.widths[0] = static_cast<int>(x.size(3));
+  int64_t widest = x.size(3);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    kept.push_back(weights[i].contiguous());
+    p.weights[i] = kept.back().data_ptr();
+    kept.push_back(biases[i].contiguous());
+    p.biases[i] = kept.back().data_ptr();
+    p.widths[i + 1] = static_cast<int>(weights[i].size(2));
+    widest = std::max<int64_t>(widest, weights[i].size(2));
+  }
+  p.activation = activation;
+  p.out = out.data_ptr<int32_t>();
+  p.width_stride = ceil_div(widest, int64_t(4)) * 4;  // keeps the staged weights 16-byte aligned
+  return p;
+}
+
+bool is_empty_problem(const FusedMlpParams& p) { return p.rows == 0 || p.heads == 0; }
 
 }  // namespace
 
@@ -267,36 +343,40 @@ bool fused_encode_applies(const at::Tensor& x, at::TensorList weights, at::Tenso
   return true;
 }
 
+bool fused_encode_pair_applies(const at::Tensor& query, at::TensorList query_weights, at::TensorList query_biases,
+                               const at::Tensor& key, at::TensorList key_weights, at::TensorList key_biases) {
+  return fused_encode_applies(query, query_weights, query_biases) && fused_encode_applies(key, key_weights, key_biases) &&
+         query.scalar_type() == key.scalar_type() && query_weights[0].scalar_type() == key_weights[0].scalar_type();
+}
+
 void encode_fused_cuda(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                        const std::string& activation, at::Tensor& out) {
-  const int64_t rows = x.size(0) * x.size(2);
-  if (rows == 0 || x.size(1) == 0) return;
-  FusedMlpParams p{};
-  p.x = x.data_ptr();
-  p.xs0 = x.stride(0), p.xs1 = x.stride(1), p.xs2 = x.stride(2), p.xs3 = x.stride(3);
-  p.tokens = x.size(2), p.rows = rows, p.heads = x.size(1);
-  p.layers = static_cast<int>(weights.size());
-  p.widths[0] = static_cast<int>(x.size(3));
-  // The weights are usually contiguous already (no copy); .contiguous() keeps any view correct.
   std::vector<at::Tensor> kept;
-  kept.reserve(2 * weights.size());
-  int64_t widest = x.size(3);
-  for (size_t i = 0; i < weights.size(); ++i) {
-    kept.push_back(weights[i].contiguous());
-    kept.push_back(biases[i].contiguous());
-    p.weights[i] = kept[2 * i].data_ptr();
-    p.biases[i] = kept[2 * i + 1].data_ptr();
-    p.widths[i + 1] = static_cast<int>(weights[i].size(2));
-    widest = std::max<int64_t>(widest, weights[i].size(2));
+  FusedMlpLaunch work{};
+  work.problems[0] = describe_problem(x, weights, biases, activation_code(activation), out, kept);
+  if (is_empty_problem(work.problems[0])) return;
+  work.first_heads = work.problems[0].heads;
+  launch_fused(work, 1, x.scalar_type(), weights[0].scalar_type());
+}
+
+void encode_fused_pair_cuda(const at::Tensor& query, at::TensorList query_weights, at::TensorList query_biases,
+                            at::Tensor& query_out, const at::Tensor& key, at::TensorList key_weights,
+                            at::TensorList key_biases, at::Tensor& key_out, const std::string& activation) {
+  std::vector<at::Tensor> kept;
+  const int code = activation_code(activation);
+  const FusedMlpParams described[2] = {
+      describe_problem(query, query_weights, query_biases, code, query_out, kept),
+      describe_problem(key, key_weights, key_biases, code, key_out, kept),
+  };
+  // Empty problems get no blocks (an empty key chunk, say), so the launch has one or two problems.
+  FusedMlpLaunch work{};
+  int problems = 0;
+  for (const FusedMlpParams& p : described) {
+    if (!is_empty_problem(p)) work.problems[problems++] = p;
   }
-  p.activation = activation_code(activation);
-  p.out = out.data_ptr<int32_t>();
-  p.width_stride = ceil_div(widest, int64_t(4)) * 4;  // keeps the staged weights 16-byte aligned
-  const at::ScalarType weight_type = weights[0].scalar_type();
-  if (rows == 1) return launch_rows<1>(p, x.scalar_type(), weight_type);
-  if (rows == 2) return launch_rows<2>(p, x.scalar_type(), weight_type);
-  if (rows <= 4) return launch_rows<4>(p, x.scalar_type(), weight_type);
-  launch_rows<kRowsPerBlock>(p, x.scalar_type(), weight_type);
+  if (problems == 0) return;
+  work.first_heads = work.problems[0].heads;
+  launch_fused(work, problems, query.scalar_type(), query_weights[0].scalar_type());
 }
 
 }  // namespace cuda

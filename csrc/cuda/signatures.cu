@@ -1,7 +1,8 @@
-// CUDA kernels of `encode_signatures`, `pack_signs` and `hamming_scores`.
+// CUDA kernels of `encode_signatures`, `encode_signatures_pair`, `pack_signs` and `hamming_scores`.
 //
 // Encoding of few rows (a decode step: batch * tokens <= 64 per head) runs in one fused
-// kernel (encode_fused.cu). Otherwise the per-head MLP runs as batched matrix products through
+// kernel (encode_fused.cu); encode_signatures_pair runs a decode step's query and key problems
+// in one launch of it. Otherwise the per-head MLP runs as batched matrix products through
 // ATen (cuBLAS) in float32 -- the same arithmetic as the CPU kernel, so bits differ only where
 // a pre-sign value is within float32 summation-order error of 0 -- and the last layer's bias
 // add, the sign and the packing are fused into one kernel: each warp reads 32 consecutive
@@ -9,9 +10,11 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 
 #include "checks.h"
 #include "cuda_common.cuh"
+#include "encode_heads.h"
 #include "encode_fused.h"
 #include "mlp_activation.h"
 #include "op_arguments.h"
@@ -98,16 +101,12 @@ at::Tensor pack_signs_cuda(const at::Tensor& values) {
   return out;
 }
 
-at::Tensor encode_signatures_cuda(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                                  c10::string_view activation_view) {
-  const std::string activation(activation_view);
-  const EncodeDims dims = check_encode_args(x, weights.vec(), biases.vec(), activation);
-  const c10::cuda::CUDAGuard guard(x.device());
-  if (fused_encode_applies(x, weights, biases)) {
-    at::Tensor out = new_output({dims.batch, dims.heads, dims.tokens, dims.words}, x.options().dtype(at::kInt));
-    encode_fused_cuda(x, weights, biases, activation, out);
-    return out;
-  }
+namespace {
+
+// The cuBLAS path of one encoder problem (prefill-sized inputs): x (B, H, N, D) one x head per
+// MLP head, written into out (B, H, N, words).
+void encode_batched_matmul(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                           const std::string& activation, const EncodeDims& dims, at::Tensor& out) {
   at::Tensor h = x.to(at::kFloat);  // (B, H, N, in)
   const size_t layers = weights.size();
   for (size_t i = 0; i < layers; ++i) {
@@ -119,9 +118,52 @@ at::Tensor encode_signatures_cuda(const at::Tensor& x, at::TensorList weights, a
   }
   h = h.contiguous();
   const at::Tensor last_bias = biases[layers - 1].to(at::kFloat).contiguous();  // added in the pack kernel
-  at::Tensor out = new_output({dims.batch, dims.heads, dims.tokens, dims.words}, x.options().dtype(at::kInt));
   launch_sign_pack(h, last_bias, out, dims.bits, dims.tokens, dims.heads);
+}
+
+// One encoder problem, validated: x (B, Hx, N, D) with Hx dividing the MLP heads. Few rows go
+// through the fused kernel (which maps heads itself), the rest through cuBLAS on a copy of x
+// with one head per MLP head.
+at::Tensor encode_problem(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                          const std::string& activation, const EncodeDims& dims) {
+  at::Tensor out = new_output({dims.batch, dims.heads, dims.tokens, dims.words}, x.options().dtype(at::kInt));
+  if (fused_encode_applies(x, weights, biases)) {
+    encode_fused_cuda(x, weights, biases, activation, out);
+  } else {
+    encode_batched_matmul(repeat_x_heads(x, dims.heads), weights, biases, activation, dims, out);
+  }
   return out;
+}
+
+}  // namespace
+
+at::Tensor encode_signatures_cuda(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                                  c10::string_view activation_view) {
+  const std::string activation(activation_view);
+  const EncodeDims dims = check_encode_args(x, weights.vec(), biases.vec(), activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return encode_problem(x, weights, biases, activation, dims);
+}
+
+// A decode step's query rows and new key rows: one fused launch when both qualify and share
+// dtypes (the common case), else each problem on its own path.
+std::tuple<at::Tensor, at::Tensor> encode_signatures_pair_cuda(
+    const at::Tensor& query, at::TensorList query_weights, at::TensorList query_biases, const at::Tensor& key,
+    at::TensorList key_weights, at::TensorList key_biases, c10::string_view activation_view) {
+  const std::string activation(activation_view);
+  const EncodePairDims dims = check_encode_pair_args(query, query_weights.vec(), query_biases.vec(), key,
+                                                     key_weights.vec(), key_biases.vec(), activation);
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (!fused_encode_pair_applies(query, query_weights, query_biases, key, key_weights, key_biases)) {
+    return {encode_problem(query, query_weights, query_biases, activation, dims.query),
+            encode_problem(key, key_weights, key_biases, activation, dims.key)};
+  }
+  const auto int_options = query.options().dtype(at::kInt);
+  at::Tensor query_out = new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words}, int_options);
+  at::Tensor key_out = new_output({dims.key.batch, dims.key.heads, dims.key.tokens, dims.key.words}, int_options);
+  encode_fused_pair_cuda(query, query_weights, query_biases, query_out, key, key_weights, key_biases, key_out,
+                         activation);
+  return {query_out, key_out};
 }
 
 at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
@@ -147,6 +189,7 @@ at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Ten
 
 TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
   m.impl("encode_signatures", &cuda::encode_signatures_cuda);
+  m.impl("encode_signatures_pair", &cuda::encode_signatures_pair_cuda);
   m.impl("pack_signs", &cuda::pack_signs_cuda);
   m.impl("hamming_scores", &cuda::hamming_scores_cuda);
 }
