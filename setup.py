@@ -105,7 +105,9 @@ def _extension():
         sources += cuda_sources
         define_macros.append(("HASHATTENTION_WITH_CUDA", "1"))
         nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr"]
-        nvcc += ["-lineinfo"] if debug else []
+        # -lineinfo maps SASS to source lines for Nsight Compute's source page (scripts/ncu_hotspots.py);
+        # HASHATTENTION_LINEINFO adds it to an optimised build (HASHATTENTION_DEBUG also drops host -O3).
+        nvcc += ["-lineinfo"] if debug or _flag("HASHATTENTION_LINEINFO") else []
         nvcc += ["-Xptxas=-v"] if _flag("HASHATTENTION_PTXAS_VERBOSE") else []
         extra["nvcc"] = nvcc
         ext_type = cpp_extension.CUDAExtension

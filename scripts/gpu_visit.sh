@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|memcheck|bench|integration|generate|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|memcheck|bench|integration|generate|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -37,6 +37,15 @@ if want ncu; then
     --set detailed -c ${NCU_COUNT:-8} python3 scripts/profile_ops.py --n ${NCU_N:-131072} --selection ${NCU_SELECTION:-query_head} --batch ${NCU_BATCH:-1} \
     --eager 2 --encode-batches 1 > "$OUT/ncu.txt" 2>&1; echo "ncu rc=$?"
   grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|L2 Hit" "$OUT/ncu.txt" | head -60
+fi
+if [[ " $STEPS " == *" ncu_source "* ]]; then  # not part of "all": a full-set profile is slow
+  el "Nsight Compute hot spots per SASS instruction (build with HASHATTENTION_LINEINFO=1 for source lines)"
+  timeout ${NCU_SECONDS:-150} ncu --clock-control none -k "regex:${NCU_KERNELS:-resident_select}" --set full \
+    --import-source yes -c 1 -f -o "$OUT/ncu_source" python3 scripts/profile_ops.py --n ${NCU_N:-131072} \
+    --selection ${NCU_SELECTION:-query_head} --batch ${NCU_BATCH:-4} --eager 1 --encode-batches > "$OUT/ncu_source.log" 2>&1
+  echo "ncu rc=$?"
+  ncu -i "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_sass.csv" 2>&1
+  python3 scripts/ncu_hotspots.py "$OUT/ncu_source_sass.csv" --top 40
 fi
 if want memcheck; then
   el "compute-sanitizer memcheck"
