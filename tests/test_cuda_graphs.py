@@ -22,6 +22,17 @@ def assert_equal_outputs(got, expected, what):
         assert torch.equal(a, b), f"{what}[{i}]: replay differs from eager ({int((a != b).sum())} elements)"
 
 
+def assert_replays_match_eager(fill, step, what, replays=3):
+    """Capture ``step`` once, then refill its inputs and replay: every replay must equal an eager call."""
+    fill()
+    graph, static_outputs = capture_cuda_graph(step)
+    for replay in range(replays):
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_equal_outputs(static_outputs, step(), f"{what} {replay}")
+
+
 @pytest.mark.parametrize("path", ["auto", "chunked"])
 @pytest.mark.parametrize("group_shared", [False, True])
 @pytest.mark.parametrize("keys", [3000, 70000])
@@ -102,13 +113,7 @@ def test_paged_attention_graph_replays_with_new_block_table():
         return ha.sparse_attention(query, key_cache, value_cache, indices, counts, scale=0.125,
                                    block_table=block_table)
 
-    fill()
-    graph, static_outputs = capture_cuda_graph(step)
-    for replay in range(3):
-        fill()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_equal_outputs(static_outputs, step(), f"paged replay {replay}")
+    assert_replays_match_eager(fill, step, "paged replay")
 
 
 def test_encode_pack_and_scores_graph_replays():
@@ -132,13 +137,7 @@ def test_encode_pack_and_scores_graph_replays():
         selected = ha.topk_from_scores(scores_in, sink_tokens=4, local_tokens=8, budget_tokens=50)
         return (signatures, packed, scores, *selected)
 
-    fill()
-    graph, static_outputs = capture_cuda_graph(step)
-    for replay in range(3):
-        fill()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_equal_outputs(static_outputs, step(), f"encode replay {replay}")
+    assert_replays_match_eager(fill, step, "encode replay")
 
 
 @pytest.mark.parametrize("key_rows", [1, 70])  # one fused launch; the key on cuBLAS, the query fused
@@ -161,10 +160,4 @@ def test_encode_pair_graph_replays(key_rows):
     def step():
         return ha.encode_signatures_pair(query, qw, qb, key, kw, kb)
 
-    fill()
-    graph, static_outputs = capture_cuda_graph(step)
-    for replay in range(3):
-        fill()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_equal_outputs(static_outputs, step(), f"encode pair replay {replay}")
+    assert_replays_match_eager(fill, step, "encode pair replay")
