@@ -170,3 +170,30 @@ def test_dense_rows_match_masked_reference(rows, keys):
     logits = logits.masked_fill(torch.arange(keys)[None, :] > row_positions[:, None], float("-inf"))
     expected = F.softmax(logits, dim=-1) @ v
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_task_prompt_selection_diagnostic(model, tmp_path):
+    """scripts/eval_task_recall.py: the oracle holds the true top-k at the question rows, a small budget does not."""
+    import subprocess
+    import sys
+
+    model_dir = str(tmp_path / "model")
+    model.save_pretrained(model_dir)
+    corpus = tiny_corpus(str(tmp_path / "corpus"))
+    out = str(tmp_path / "out")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "eval_task_recall.py")
+    args = [
+        "--model", model_dir, "--tokenizer", "byte", "--corpus", corpus, "--held-out-modulus", "2",
+        "--contexts", "1024", "--sparsities", "4,64", "--tasks", "niah_single", "--task-samples", "1",
+        "--sparse-prompt-tokens", "8", "--calibration-tokens", "128", "--selectors", "full,oracle,streaming",
+        "--output-dir", out, "--no-progress",
+    ]
+    result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(os.path.join(out, "task_prompt_selection.json")) as f:
+        rows = {(r["selector"], r["sparsity"]): r["tasks"]["niah_single"][0] for r in json.load(f)}
+    assert ("full", None) not in rows  # the full model selects everything: no row
+    assert rows[("oracle", 4.0)][0] == 1.0  # 1024 // 4 - 16 heavy tokens >= 32: the true top-32 exactly
+    assert rows[("streaming", 64.0)][0] < 1.0 and rows[("streaming", 64.0)][1] < 1.0
+    assert os.path.getsize(os.path.join(out, "task_prompt_selection.md")) > 0

@@ -98,12 +98,8 @@ def load_model(name: str, tokenizer_kind: str):
     return model, tokenizer, os.path.basename(os.path.abspath(name))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.list_selectors:
-        print("\n".join(selector_names()))
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
+    """The model, tokenizer and :class:`Evaluation` that the parsed command-line ``args`` describe."""
     if args.threads:
         torch.set_num_threads(args.threads)
     adapters = args.adapters
@@ -133,7 +129,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,
     )
-    results = Evaluation(model, tokenizer, config).run(compute=not args.report_only)
+    return Evaluation(model, tokenizer, config)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_selectors:
+        print("\n".join(selector_names()))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    results = evaluation_from_args(args).run(compute=not args.report_only)
     paths = write_report(results, args.output_dir)
     print(markdown(results))
     print("wrote " + ", ".join(sorted(paths.values())))

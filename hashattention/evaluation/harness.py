@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -291,6 +291,34 @@ class Evaluation:
                 "seconds": time.perf_counter() - started,
             })
             bar.update(1)
+
+    def task_prompt_selection(self, task: str, context: int, index: int) -> Dict[Tuple[str, Optional[float]], Dict[str, List]]:
+        """Selection quality where a task is decided: at the sparse rows of its prompt (the question).
+
+        A diagnostic, not cached: the prompt of task sample ``index`` is prefilled densely up to its
+        last ``sparse_prompt_tokens`` rows, then every (selector, sparsity) job runs those rows and a
+        :class:`~.metrics.SelectionRecorder` measures recall of the true top-k and attention mass per
+        layer (no generation). Returns ``{(selector, sparsity): {"recall": [...], "mass": [...]}}``
+        (per-layer means; the full model is skipped: it selects everything).
+        """
+        if not self.selectors:
+            self.prepare_selectors()
+        cfg = self.config
+        jobs = [(n, s) for n, s in self._jobs() if s is not None]
+        sample = tasks.build_sample(task, index, context, cfg.seed, self.tokenizer, self.sentences, self.words)
+        ids = sample.input_ids
+        sparse_from = max(len(ids) - cfg.sparse_prompt_tokens, 1)
+        quality = {}
+        with torch.no_grad(), attention_hook.evaluation_attention(self.model):
+            cache, states = self._prefill(ids[:sparse_from], jobs)
+            for name, sparsity in jobs:
+                selector = self.selectors[name]
+                selector.load_state(states[name])
+                recorder = metrics.SelectionRecorder(cfg.sink_tokens, cfg.local_tokens, cfg.top_k)
+                with activate(SparseRun(selector, self._budget(sparse_from, sparsity), sparse_from, recorder)):
+                    _forward(self.model, ids[sparse_from:], copy.deepcopy(cache))
+                quality[(name, sparsity)] = recorder.per_layer()
+        return quality
 
     def run(self, compute: bool = True) -> Dict[str, Any]:
         """Run every missing job (cached ones are skipped) and return the aggregated results.

@@ -1,0 +1,83 @@
+"""Selection quality at the question of RULER-style task prompts (where a task is won or lost).
+
+Recall on held-out prose does not predict task scores (README, evaluation section): this script
+measures recall of the true top-k keys and attention mass at the sparse rows of the task prompts
+themselves, per (selector, sparsity), averaged over layers and samples, with the same settings and
+arguments as ``python -m hashattention.evaluation`` (no generation, nothing cached):
+
+    python scripts/eval_task_recall.py --contexts 8192 --sparsities 16 --task-samples 2 \\
+        --tasks niah_single,niah_multikey --selectors oracle,hashattention,quest \\
+        --output-dir results/evaluation/smollm2-8k
+
+Writes ``task_prompt_selection.{md,json}`` into ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hashattention.evaluation import cli  # noqa: E402
+from hashattention.evaluation.metrics import mean_ignoring_none  # noqa: E402
+
+
+def collect(evaluation):
+    """``{(selector, sparsity): {task: [(recall, mass) per sample]}}``, means over layers."""
+    cfg = evaluation.config
+    evaluation.prepare_selectors()
+    results = defaultdict(lambda: defaultdict(list))
+    for context in cfg.contexts:
+        for task in cfg.tasks:
+            for index in range(cfg.task_samples):
+                quality = evaluation.task_prompt_selection(task, context, index)
+                for job, layers in quality.items():
+                    results[job][task].append((mean_ignoring_none(layers["recall"]), mean_ignoring_none(layers["mass"])))
+                print(f"{task} {context} #{index}: " + ", ".join(
+                    f"{n}@{s:g}x {fmt(mean_ignoring_none(l['recall']))}" for (n, s), l in quality.items()), flush=True)
+    return results
+
+
+def fmt(value) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def mean(values):
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def table(results, tasks):
+    lines = ["| selector | sparsity | recall@k (all tasks) | attention mass | " + " | ".join(f"recall {t}" for t in tasks) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(tasks)]
+    for (name, sparsity), per_task in results.items():
+        every = [pair for t in tasks for pair in per_task.get(t, [])]
+        cells = [mean([r for r, _ in per_task.get(t, [])]) for t in tasks]
+        lines.append(f"| {name} | {sparsity:g}x | {fmt(mean([r for r, _ in every]))} | {fmt(mean([m for _, m in every]))} | "
+                     + " | ".join(fmt(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = cli.build_parser().parse_args(argv)
+    evaluation = cli.evaluation_from_args(args)
+    results = collect(evaluation)
+    cfg = evaluation.config
+    text = (f"Selection quality at the last {cfg.sparse_prompt_tokens} rows of the task prompts (the question): "
+            f"contexts {cfg.contexts}, {cfg.task_samples} sample(s) per task, top-k = {cfg.top_k}, "
+            f"sink {cfg.sink_tokens} + local {cfg.local_tokens}; means over layers, then samples.\n\n"
+            + table(results, cfg.tasks) + "\n")
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, "task_prompt_selection.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(cfg.output_dir, "task_prompt_selection.json"), "w") as f:
+        json.dump([{"selector": n, "sparsity": s, "tasks": {t: [list(p) for p in v] for t, v in per_task.items()}}
+                   for (n, s), per_task in results.items()], f, indent=1)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
