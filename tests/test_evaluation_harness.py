@@ -174,7 +174,8 @@ def test_dense_rows_match_masked_reference(rows, keys):
 
 @torch.no_grad()
 def test_task_prompt_selection_diagnostic(model, tmp_path):
-    """scripts/eval_task_recall.py: the oracle holds the true top-k at the question rows, a small budget does not."""
+    """scripts/eval_task_recall.py: the oracle holds the true top-k at the question rows, a small budget does not;
+    the needle's attention is all kept at a full budget and mostly lost to StreamingLLM's windows."""
     import subprocess
     import sys
 
@@ -185,7 +186,7 @@ def test_task_prompt_selection_diagnostic(model, tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "eval_task_recall.py")
     args = [
         "--model", model_dir, "--tokenizer", "byte", "--corpus", corpus, "--held-out-modulus", "2",
-        "--contexts", "1024", "--sparsities", "4,64", "--tasks", "niah_single", "--task-samples", "1",
+        "--contexts", "1024", "--sparsities", "1,4,64", "--tasks", "niah_single", "--task-samples", "1",
         "--sparse-prompt-tokens", "8", "--calibration-tokens", "128", "--selectors", "full,oracle,streaming",
         "--output-dir", out, "--no-progress",
     ]
@@ -196,4 +197,7 @@ def test_task_prompt_selection_diagnostic(model, tmp_path):
     assert ("full", None) not in rows  # the full model selects everything: no row
     assert rows[("oracle", 4.0)][0] == 1.0  # 1024 // 4 - 16 heavy tokens >= 32: the true top-32 exactly
     assert rows[("streaming", 64.0)][0] < 1.0 and rows[("streaming", 64.0)][1] < 1.0
+    # the needle sits mid-haystack: a full budget keeps all the attention to it, StreamingLLM's windows almost none
+    assert rows[("streaming", 1.0)][2] == pytest.approx(1.0) and rows[("oracle", 1.0)][2] == pytest.approx(1.0)
+    assert rows[("streaming", 64.0)][2] < 0.5
     assert os.path.getsize(os.path.join(out, "task_prompt_selection.md")) > 0

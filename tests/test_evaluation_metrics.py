@@ -115,3 +115,22 @@ def test_markdown_table_rows():
     assert "| lsh-32 | 96 | 16x | 0.500 | 0.250 | +0.125 | 0.0 |" in text
     assert "| lsh-32 | 16x | 0.0 |" in text
     assert "`hashattention` not evaluated: no trained adapters" in text
+
+
+def test_find_spans_marks_every_occurrence():
+    assert metrics.find_spans([5, 1, 2, 3, 1, 2, 9], [1, 2]) == [1, 2, 4, 5]
+    assert metrics.find_spans([5, 1, 2], [2, 1]) == [] and metrics.find_spans([1], []) == []
+
+
+def test_needle_recorder_weighs_kept_attention_by_dense_probability():
+    # One KV head, two query heads, 6 keys, the last row at position 5; needle = keys 1 and 2.
+    g = torch.Generator().manual_seed(0)
+    query, key = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 1, 6, 4, generator=g)
+    selected = torch.zeros(1, 2, 1, 6, dtype=torch.bool)
+    selected[0, 0, 0, 1] = True  # head 0 keeps needle key 1 only; head 1 keeps neither
+    recorder = metrics.NeedleRecorder(0, 0, 2, [2, 1, 1])
+    recorder.record(0, query, key, selected, 0.5)
+    p = torch.softmax((query.double() @ key.double().transpose(-1, -2)) * 0.5, dim=-1)[0, :, 0]  # (2 heads, 6)
+    expected = float(p[0, 1] / (p[0, 1] + p[0, 2] + p[1, 1] + p[1, 2]))
+    assert recorder.needle_kept() == pytest.approx(expected, rel=1e-5)
+    assert metrics.NeedleRecorder(0, 0, 2, []).needle_kept() is None

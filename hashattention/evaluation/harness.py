@@ -308,17 +308,33 @@ class Evaluation:
         sample = tasks.build_sample(task, index, context, cfg.seed, self.tokenizer, self.sentences, self.words)
         ids = sample.input_ids
         sparse_from = max(len(ids) - cfg.sparse_prompt_tokens, 1)
+        needle = self._answer_positions(ids[:sparse_from], sample.references)
         quality = {}
         with torch.no_grad(), attention_hook.evaluation_attention(self.model):
             cache, states = self._prefill(ids[:sparse_from], jobs)
             for name, sparsity in jobs:
                 selector = self.selectors[name]
                 selector.load_state(states[name])
-                recorder = metrics.SelectionRecorder(cfg.sink_tokens, cfg.local_tokens, cfg.top_k)
+                recorder = metrics.NeedleRecorder(cfg.sink_tokens, cfg.local_tokens, cfg.top_k, needle)
                 with activate(SparseRun(selector, self._budget(sparse_from, sparsity), sparse_from, recorder)):
                     _forward(self.model, ids[sparse_from:], copy.deepcopy(cache))
-                quality[(name, sparsity)] = recorder.per_layer()
+                quality[(name, sparsity)] = {**recorder.per_layer(), "needle_kept": recorder.needle_kept()}
         return quality
+
+    def _answer_positions(self, ids: Sequence[int], references: Sequence[str]) -> List[int]:
+        """Prompt positions holding the answers' tokens (as the tokenizer splits them in running text,
+        after a space or not); empty when an answer does not appear in the prompt verbatim."""
+        positions: List[int] = []
+        for reference in references:
+            found: List[int] = []
+            for form in (" " + reference, reference):
+                found = metrics.find_spans(ids, self.tokenizer.encode(form, add_special_tokens=False))
+                if found:
+                    break
+            if not found:
+                return []
+            positions.extend(found)
+        return sorted(set(positions))
 
     def run(self, compute: bool = True) -> Dict[str, Any]:
         """Run every missing job (cached ones are skipped) and return the aggregated results.

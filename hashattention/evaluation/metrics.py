@@ -104,6 +104,50 @@ class SelectionRecorder:
         return {"recall": recall, "mass": mass}
 
 
+def find_spans(ids: Sequence[int], pattern: Sequence[int]) -> List[int]:
+    """Every position covered by an occurrence of the token sequence ``pattern`` in ``ids``."""
+    ids, pattern = list(ids), list(pattern)
+    covered: List[int] = []
+    if not pattern:
+        return covered
+    for start in range(len(ids) - len(pattern) + 1):
+        if ids[start : start + len(pattern)] == pattern:
+            covered.extend(range(start, start + len(pattern)))
+    return sorted(set(covered))
+
+
+class NeedleRecorder(SelectionRecorder):
+    """A :class:`SelectionRecorder` that also measures how much of the dense model's attention to
+    given key positions (a task's needle tokens) the selection keeps, at the last recorded row.
+
+    Per layer: ``kept = sum_h p_h(needle and selected)`` and ``total = sum_h p_h(needle)``, with
+    ``p_h`` the dense softmax of query head ``h`` at the last row. ``needle_kept()`` is
+    ``sum kept / sum total`` over layers: heads that attend to the needle weigh the most, so it
+    says whether the retrieval heads keep the answer, which averaged recall does not.
+    """
+
+    def __init__(self, sink_tokens: int, local_tokens: int, top_k: int, needle_positions: Sequence[int]):
+        super().__init__(sink_tokens, local_tokens, top_k)
+        self.needle = torch.tensor(sorted(set(int(p) for p in needle_positions)), dtype=torch.long)
+        self.kept: Dict[int, float] = {}
+        self.total: Dict[int, float] = {}
+
+    def record(self, layer: int, query: Tensor, key: Tensor, selected: Tensor, scaling: float) -> None:
+        super().record(layer, query, key, selected, scaling)
+        needle = self.needle[self.needle < key.shape[2]].to(key.device)
+        if needle.numel() == 0:
+            return
+        probabilities = torch.softmax(true_logits(query[:, :, -1:], key, scaling), dim=-1)[..., needle]
+        kept = probabilities * selected[:, :, -1:, :][..., needle]
+        self.kept[layer] = self.kept.get(layer, 0.0) + float(kept.sum())
+        self.total[layer] = self.total.get(layer, 0.0) + float(probabilities.sum())
+
+    def needle_kept(self) -> Optional[float]:
+        """Share of the dense attention to the needle that the selection keeps (None: no needle recorded)."""
+        total = sum(self.total.values())
+        return sum(self.kept.values()) / total if total > 0 else None
+
+
 def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
     """float64 ``(T,)`` negative log-likelihood of ``targets (T,)`` under ``logits (T, V)``."""
     return torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
