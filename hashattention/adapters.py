@@ -166,16 +166,14 @@ class LayerAdapter(nn.Module):
             int32 ``(B, Hq, L, W)`` and int32 ``(B, Hk, N, W)``, equal to
             :meth:`query_signatures` and :meth:`key_signatures`.
         """
-        if self.query.activation != self.key.activation:  # the op takes one activation for both stacks
-            return self.query_signatures(query), self.key_signatures(key)
-        return ops.encode_signatures_pair(
+        return ops.encode_signatures_pair(  # both stacks were built with config.activation
             query,
             list(self.query.weights),
             list(self.query.biases),
             key,
             list(self.key.weights),
             list(self.key.biases),
-            self.query.activation,
+            self.config.activation,
         )
 
 

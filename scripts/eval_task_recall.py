@@ -27,7 +27,6 @@ from hashattention.evaluation.metrics import mean_ignoring_none  # noqa: E402
 def collect(evaluation):
     """``{(selector, sparsity): {task: [(recall, mass, needle kept) per sample]}}``, means over layers."""
     cfg = evaluation.config
-    evaluation.prepare_selectors()
     results = defaultdict(lambda: defaultdict(list))
     for context in cfg.contexts:
         for task in cfg.tasks:
@@ -45,11 +44,6 @@ def fmt(value) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
-def mean(values):
-    kept = [v for v in values if v is not None]
-    return sum(kept) / len(kept) if kept else None
-
-
 def table(results, tasks):
     """Means over every sample of every task, then per task: recall, and the needle attention kept."""
     lines = ["| selector | sparsity | recall@k | attention mass | needle attention kept | "
@@ -57,10 +51,10 @@ def table(results, tasks):
              "|---|---:|---:|---:|---:|" + "---:|" * len(tasks)]
     for (name, sparsity), per_task in results.items():
         every = [row for t in tasks for row in per_task.get(t, [])]
-        cells = [f"{fmt(mean([r[0] for r in per_task.get(t, [])]))} / {fmt(mean([r[2] for r in per_task.get(t, [])]))}"
+        cells = [f"{fmt(mean_ignoring_none([r[0] for r in per_task.get(t, [])]))} / {fmt(mean_ignoring_none([r[2] for r in per_task.get(t, [])]))}"
                  for t in tasks]
-        lines.append(f"| {name} | {sparsity:g}x | {fmt(mean([r[0] for r in every]))} | {fmt(mean([r[1] for r in every]))} | "
-                     f"{fmt(mean([r[2] for r in every]))} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {sparsity:g}x | {fmt(mean_ignoring_none([r[0] for r in every]))} | {fmt(mean_ignoring_none([r[1] for r in every]))} | "
+                     f"{fmt(mean_ignoring_none([r[2] for r in every]))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

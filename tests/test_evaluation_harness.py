@@ -3,6 +3,8 @@
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,9 +178,6 @@ def test_dense_rows_match_masked_reference(rows, keys):
 def test_task_prompt_selection_diagnostic(model, tmp_path):
     """scripts/eval_task_recall.py: the oracle holds the true top-k at the question rows, a small budget does not;
     the needle's attention is all kept at a full budget and mostly lost to StreamingLLM's windows."""
-    import subprocess
-    import sys
-
     model_dir = str(tmp_path / "model")
     model.save_pretrained(model_dir)
     corpus = tiny_corpus(str(tmp_path / "corpus"))
