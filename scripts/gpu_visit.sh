@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|memcheck|bench|integration|generate|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -46,6 +46,11 @@ if [[ " $STEPS " == *" ncu_source "* ]]; then  # not part of "all": a full-set p
   echo "ncu rc=$?"
   ncu -i "$OUT/ncu_source.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_sass.csv" 2>&1
   python3 scripts/ncu_hotspots.py "$OUT/ncu_source_sass.csv" --top 40
+fi
+if want probe; then
+  el "selection phase times (scripts/probe_selection.py)"
+  timeout ${PROBE_SECONDS:-120} python3 scripts/probe_selection.py ${PROBE_ARGS:-} > "$OUT/probe.log" 2>&1
+  echo "probe rc=$?"; tail -20 "$OUT/probe.log"
 fi
 if want memcheck; then
   el "compute-sanitizer memcheck"

@@ -49,7 +49,7 @@ def check(monkeypatch, q_sig, k_sig, selection_heads, budget, lengths=None, star
         assert differ.numel() == 0, f"{name}: {differ.shape[0]} index entries differ, first at {differ[0].tolist()}"
 
 
-@pytest.mark.parametrize("keys", [1, 257, 4096, 4099, 8191, 16_385, 131_072])
+@pytest.mark.parametrize("keys", [1, 6, 257, 4096, 4099, 8191, 16_385, 65_539, 131_072])
 @pytest.mark.parametrize("pool", [0, 3])
 def test_per_query_head_batch_1(monkeypatch, keys, pool):
     """The decode step of the benchmark: 32 selection heads with their own key heads, one row."""

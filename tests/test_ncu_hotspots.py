@@ -35,3 +35,20 @@ def test_export_without_sampling_column_is_an_error(tmp_path):
     result = run(tmp_path, '"# Address","Source"\n"0x10","NOP"\n')
     assert result.returncode == 1
     assert "no stall-sampling column" in result.stderr
+
+
+# ncu 2025+ exports start with the kernel's name and add one column per stall reason.
+EXPORT_WITH_KERNEL_LINE = """"Kernel Name","void k<1>(int)",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_barrier","stall_long_sb (Not Issued)"
+"0x10","LOP3.LUT R4, R2, UR4, RZ, 0x3c, !PT","90","100","80","10","70"
+"0x20","BAR.SYNC 0x0","10","100","0","10","0"
+"""
+
+
+def test_kernel_name_line_is_skipped_and_stall_reasons_are_summed(tmp_path):
+    result = run(tmp_path, EXPORT_WITH_KERNEL_LINE)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("2 instructions, 100 stall samples")
+    assert lines[1] == "by reason: long_sb 80.0%, barrier 20.0%"  # the "(Not Issued)" copy is not counted
+    assert "LOP3.LUT" in lines[3] and lines[3].rstrip().endswith("long_sb 80, barrier 10")

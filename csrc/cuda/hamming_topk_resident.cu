@@ -5,21 +5,26 @@
 // step's selection is small -- 32 heads x 128K positions is 16 MB of signatures, 4M scores --
 // so its time went to the second read, the second launch and each phase's latency chain
 // (H200, 128K: 10 + 17 us). Here one cooperative launch keeps every distance on chip:
-//   phase 1: each block loads its chunk of one row (16-byte loads of four positions, several in
-//            flight per thread), writes the Hamming distances as bytes, in position order, to
-//            shared memory, counts them with lane-private shared counters (no same-address
-//            conflicts when distances cluster) and writes the chunk histogram to global memory;
+//   phase 1: each block loads its chunk of one row (16-byte loads of four positions, two
+//            batches in flight per thread), writes the Hamming distances as bytes, in position
+//            order, to shared memory, counts them with lane-private shared counters (no
+//            same-address conflicts when distances cluster) and writes the chunk histogram to
+//            global memory;
 //   grid-wide barrier;
 //   phase 2: each block sums its row's chunk histograms (from L2), finds by one block scan the
 //            threshold distance T (the smallest with count(d <= T) >= m) and how many of its
-//            ties to drop (the earliest), then each thread takes a contiguous run of the
-//            chunk's distances, counts its entries with bytewise compares (16 per shared load),
-//            and after one block scan writes them in order.
-// Nsight Compute on the first version (distances in registers, one warp scan per 128 positions
-// in phase 2) showed ~2.3K instructions per warp with half the issue slots busy: the per-tile
-// scans, 64-bit index arithmetic and per-position checks, not the bytes, set its time. Hence the
-// thread-contiguous runs (one scan per block), 32-bit block coordinates and a check-free path
-// for chunks inside the row's candidates.
+//            ties to drop (the earliest); each warp counts the entries of its contiguous segment
+//            of the chunk, takes its offset from the other warps' counts, and walks the segment
+//            512 positions at a time (a 16-byte shared load per lane, one warp scan), writing
+//            its entries in position order.
+// Measured phases (scripts/probe_selection.py, H200, B = 4, 128K, 32 heads, 32x, 38.8 us in
+// all): scoring 24.4 us (2.75 TB/s over the signatures), barrier 0.9, threshold 2.0, warp counts
+// 2.2, writes 9.2. The write pass's time follows the number of entries, not positions (B = 1 at
+// 512K, the same number of entries, 7.6 us). A try that staged each warp's entries in shared
+// memory for contiguous stores measured the same 9.1 us (and failed tests; dropped), so scattered
+// stores are not the cause. The version before this one (thread-contiguous runs in phase 2, whose
+// lanes' write loops had different trip counts, and one block scan) took 41.3 us. "scoring"
+// includes the launch and the prologue.
 // Distances, not scores, are counted: the best candidates have the smallest distance, so the
 // counting runs from bin 0 upwards. Same output as every other path: position-sorted, ties at
 // the threshold go to the later positions, windows, padding and counts as in
@@ -42,16 +47,14 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr unsigned kByteHigh = 0x80808080u;  // bit 7 of each byte
-constexpr unsigned kOutside = 0xffu;         // distance byte of a position that is not a candidate
-constexpr int kLoadBatch = 4;                // 16-byte loads in flight per thread
+constexpr int kLoadBatch = 4;                // 16-byte loads per thread and batch
 
-// Bit 7 of byte i is set when byte i of x < byte i of y (unsigned), for all four bytes at once.
-__device__ __forceinline__ unsigned bytes_less(unsigned x, unsigned y) {
-  // Bit 7 of each byte: (x & 0x7f) >= (y & 0x7f). Every minuend byte is >= 0x80 and every
-  // subtrahend byte <= 0x7f, so no byte borrows from the next.
-  const unsigned low_at_least = (x | kByteHigh) - (y & ~kByteHigh);
-  return ((~x & y) | (~(x ^ y) & ~low_at_least)) & kByteHigh;
-}
+// Timing probes (HASHATTENTION_SELECTION_PROBE=scoring|barrier|threshold|counts, used by
+// scripts/probe_selection.py): the kernel stops after phase 1, the grid barrier, the threshold or
+// the warps' entry counts and leaves its output unwritten, so that the phases can be timed apart.
+// Never set outside that script.
+constexpr int kProbeOff = 0, kProbeAfterScoring = 1, kProbeAfterBarrier = 2, kProbeAfterThreshold = 3,
+              kProbeAfterCounts = 4;
 
 // Bit 7 of byte i is set when byte i of x == byte i of y.
 __device__ __forceinline__ unsigned bytes_equal(unsigned x, unsigned y) {
@@ -59,49 +62,31 @@ __device__ __forceinline__ unsigned bytes_equal(unsigned x, unsigned y) {
   return ~(((t & ~kByteHigh) + ~kByteHigh) | t) & kByteHigh;
 }
 
-// Shared-memory slot of the chunk's 16-byte vector `vector` (16 distances). Phase 2 reads vector
-// t * run + v in thread t, a stride of `run` vectors: unswizzled, the eight threads of a quarter
-// warp would share banks (up to 8-way conflicts at run = 8). XOR-ing bits 3-5 into bits 0-2 is a
-// bijection (an involution) that spreads those eight over all eight 16-byte bank groups for runs
-// of 1 to 8 (2-way at 16), and keeps phase 1's consecutive 4-byte stores conflict-free.
-__device__ __forceinline__ int swizzle(int vector) { return vector ^ ((vector >> 3) & 7); }
+// The distance bytes of a selection with kGroup query heads per selection head: distances
+// 0 .. 32 kGroup, and kOutside for a position that is not a candidate of the row.
+template <int kGroup>
+struct DistanceBytes {
+  // Up to two heads every byte stays below 0x80, which makes the compare two instructions.
+  static constexpr unsigned kOutside = kGroup <= 2 ? 0x7fu : 0xffu;
+  static_assert(32 * kGroup < int(kOutside), "distances fit a byte below kOutside");
 
-// Phase 2 of a chunk whose entries are exactly the distances below `limit_bytes` (a limit
-// replicated in the four bytes): thread t counts the entries of its run of `run_vectors`
-// 16-distance vectors (first_vector = t * run_vectors), one block scan gives each thread its
-// offset, and it writes its entries' positions to out[offset...] in position order.
-// Block-cooperative (every thread calls it).
-__device__ __forceinline__ void compact_below(const uint4* vectors, const unsigned* words, int first_vector,
-                                              int run_vectors, unsigned limit_bytes, int32_t* out,
-                                              int first_position, int64_t* scan_scratch) {
-  int count = 0;
-  uint64_t words_with_entries = 0;  // bit 4 v + k: word k of vector v holds entries
-  for (int v = 0; v < run_vectors; ++v) {
-    const uint4 d = vectors[swizzle(first_vector + v)];
-    const unsigned w[4] = {d.x, d.y, d.z, d.w};
-    unsigned nibble = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const unsigned entries = bytes_less(w[k], limit_bytes);
-      count += __popc(entries);
-      nibble |= unsigned(entries != 0) << k;
-    }
-    words_with_entries |= uint64_t(nibble) << (4 * v);
-  }
-  int64_t total;
-  int written = static_cast<int>(block_exclusive_scan(count, scan_scratch, total));
-  while (words_with_entries != 0) {
-    const int word = __ffsll(static_cast<long long>(words_with_entries)) - 1;
-    words_with_entries &= words_with_entries - 1;
-    const int v = word >> 2, k = word & 3;
-    unsigned flagged = bytes_less(words[(swizzle(first_vector + v) << 2) | k], limit_bytes);
-    const int position = first_position + v * 16 + 4 * k;
-    while (flagged != 0) {  // bit 8 j + 7 set: position + j is an entry
-      const int bit = __ffs(flagged) - 1;
-      flagged &= flagged - 1;
-      out[written++] = position + (bit >> 3);
+  // Bit 7 of byte i is set when byte i of x < the limit in every byte of limit_bytes (<= kOutside).
+  static __device__ __forceinline__ unsigned less(unsigned x, unsigned limit_bytes) {
+    if constexpr (kGroup <= 2) {
+      // x + 0x80 - limit per byte (x <= 0x7f, 1 <= limit <= 0x80): no carries, bit 7 set when x >= limit.
+      return ~(x + (kByteHigh - limit_bytes)) & kByteHigh;
+    } else {
+      // Bit 7 of each byte: (x & 0x7f) >= (y & 0x7f). Every minuend byte is >= 0x80 and every
+      // subtrahend byte <= 0x7f, so no byte borrows from the next.
+      const unsigned low_at_least = (x | kByteHigh) - (limit_bytes & ~kByteHigh);
+      return ((~x & limit_bytes) | (~(x ^ limit_bytes) & ~low_at_least)) & kByteHigh;
     }
   }
+};
+
+// The four bit-7 flags of a word (as from DistanceBytes::less) as bits 0-3.
+__device__ __forceinline__ unsigned flags_to_bits(unsigned flags) {
+  return (flags * 0x00204081u) >> 28;  // bits 7, 15, 23, 31 land on 28-31; nothing carries
 }
 
 // Where a block works: positions [base, base + chunk) of row (b * Hs + s) * L + l of the
@@ -123,81 +108,163 @@ __device__ __forceinline__ BlockCoordinates block_coordinates(const SelectionPar
   return c;
 }
 
-// Phase 1 for one block: the distance bytes of every position of its chunk, in position order
-// (kOutside where the position is not a candidate of the row), and their histogram in
-// lane-private counters. kInterior: the whole chunk lies inside [lo, hi), so no checks.
-// Software-pipelined: the next batch of loads is issued before the current one is scored, so
-// each thread keeps 2 * kLoadBatch 16-byte loads in flight (with ~4 resident blocks per
-// multiprocessor, one batch alone left too few bytes in flight to cover DRAM latency at
-// batch 4: 1.8 TB/s measured over the kernel, H200, 128K).
-template <bool kInterior>
-__device__ __forceinline__ void load_batch(const int32_t* key_row, int base, int g0, int lo, int hi,
-                                           int4 (&keys)[kLoadBatch], unsigned (&valid)[kLoadBatch]) {
+// Phase 1's loads. Batch j of thread t holds groups (j * kLoadBatch + k) * kThreads + t of the
+// chunk (groups of four positions), so each load instruction of a block reads 4 KB contiguous
+// bytes. (Warp-contiguous segments instead -- eight streams per block -- made phase 1 ~20%
+// slower at 32K-position chunks, H200.) The loads are unconditional: batch indices past the last
+// batch (the prefetch after it) repeat that batch, and positions past `last_position` (the last
+// whole group of four inside the chunk and the signatures) read it instead, so the batch
+// registers never wait behind a select or a branch.
+struct ChunkLoads {
+  const int32_t* key_row;
+  int base;            // the chunk's first position
+  int last_batch;      // batches 0 .. last_batch
+  int last_position;   // a multiple of 4
+
+  __device__ __forceinline__ int group(int batch, int k) const {
+    return (batch * kLoadBatch + k) * kThreads + threadIdx.x;
+  }
+
+  __device__ __forceinline__ void load(int batch, int4 (&keys)[kLoadBatch]) const {
+    batch = min(batch, last_batch);
 #pragma unroll
-  for (int k = 0; k < kLoadBatch; ++k) {
-    const int position = base + 4 * (g0 + k * kThreads);
-    if (kInterior || (position >= lo && position + 4 <= hi)) {
+    for (int k = 0; k < kLoadBatch; ++k) {
+      const int position = min(base + 4 * group(batch, k), last_position);
       keys[k] = __ldg(reinterpret_cast<const int4*>(key_row + position));
-      valid[k] = 0xfu;
-    } else {  // the row's first or last group of four, or outside it: scalar loads, no reads outside
-      int32_t word[4];
-      valid[k] = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const bool inside = position + j >= lo && position + j < hi;
-        word[j] = inside ? __ldg(key_row + position + j) : 0;
-        valid[k] |= unsigned(inside) << j;
-      }
-      keys[k] = make_int4(word[0], word[1], word[2], word[3]);
     }
   }
-}
+};
 
+// Phase 1's counters: one per distance and lane (same-address conflicts would serialise the
+// atomics when distances cluster).
+template <int kGroup>
+struct PhaseOneCounters {
+  static constexpr int kBins = 32 * kGroup + 1;
+  static constexpr int kWords = kBins * 32;
+  uint32_t* words;  // shared memory, [distance][lane]
+
+  __device__ __forceinline__ void add(unsigned distance) const {
+    atomicAdd(&words[distance * 32 + (threadIdx.x & 31)], 1u);
+  }
+};
+
+// Scores one batch into the chunk's distance bytes and counters. Non-interior chunks mask the
+// positions outside [lo, hi) and reload the one group that the clamped loads cannot cover: the
+// signatures' last, partial group (positions keys4 .. keys - 1, keys4 = keys rounded down to 4),
+// with scalar loads.
 template <int kGroup, bool kInterior>
-__device__ __forceinline__ void score_batch(const unsigned (&q)[kGroup], int g0, const int4 (&keys)[kLoadBatch],
-                                            const unsigned (&valid)[kLoadBatch], unsigned* distance_words,
-                                            int32_t* lane_counts) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void score_batch(const unsigned (&q)[kGroup], const ChunkLoads& at, int batch,
+                                            const int4 (&keys)[kLoadBatch], int lo, int hi, int keys4,
+                                            unsigned* distance_words, const PhaseOneCounters<kGroup>& counters) {
 #pragma unroll
   for (int k = 0; k < kLoadBatch; ++k) {
-    const unsigned key[4] = {unsigned(keys[k].x), unsigned(keys[k].y), unsigned(keys[k].z), unsigned(keys[k].w)};
+    const int g = at.group(batch, k);
+    const int position = at.base + 4 * g;
+    unsigned key[4] = {unsigned(keys[k].x), unsigned(keys[k].y), unsigned(keys[k].z), unsigned(keys[k].w)};
+    if (!kInterior && position == keys4 && position < hi) {  // rare: at most one group per row
+#pragma unroll
+      for (int j = 0; j < 4; ++j) key[j] = position + j < hi ? unsigned(__ldg(at.key_row + position + j)) : 0u;
+    }
     unsigned packed = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       unsigned distance = 0;
 #pragma unroll
-      for (int g = 0; g < kGroup; ++g) distance += __popc(q[g] ^ key[j]);
-      if (kInterior || ((valid[k] >> j) & 1u)) {
-        atomicAdd(&lane_counts[distance * 32 + lane], 1);
+      for (int h = 0; h < kGroup; ++h) distance += __popc(q[h] ^ key[j]);
+      if (kInterior || (position + j >= lo && position + j < hi)) {
+        counters.add(distance);
       } else {
-        distance = kOutside;
+        distance = DistanceBytes<kGroup>::kOutside;
       }
       packed |= distance << (8 * j);
     }
-    const int g = g0 + k * kThreads;
-    distance_words[(swizzle(g >> 2) << 2) | (g & 3)] = packed;
+    distance_words[g] = packed;  // lanes store consecutive words: no bank conflicts
   }
 }
 
+// Phase 1 of a block. Double-buffered with two register batches A and B and no copies between
+// them: B's loads are issued before A is scored, A's next loads before B is scored, so a thread
+// always has one or two batches in flight. Batch A of the first pass is loaded by the caller
+// (before the row's window is read). An earlier version guarded the prefetch with a branch and
+// copied next -> current; the compiler turned the copy into selects that waited for the loads just
+// issued, and a version that scored B behind a branch had ptxas move B's loads into that branch,
+// just before their use: either way one batch was in flight (Nsight Compute: a third of the warp
+// stalls on those instructions).
 template <int kGroup, bool kInterior>
-__device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const int32_t* key_row, int base, int chunk,
-                                            int lo, int hi, unsigned* distance_words, int32_t* lane_counts) {
-  constexpr int kStride = kThreads * kLoadBatch;
-  const int groups = chunk / 4;  // a multiple of kStride
-  int4 keys[kLoadBatch], next_keys[kLoadBatch];
-  unsigned valid[kLoadBatch], next_valid[kLoadBatch];
-  load_batch<kInterior>(key_row, base, threadIdx.x, lo, hi, keys, valid);
-  for (int g0 = threadIdx.x; g0 < groups; g0 += kStride) {
-    const bool more = g0 + kStride < groups;  // the same for every thread
-    if (more) load_batch<kInterior>(key_row, base, g0 + kStride, lo, hi, next_keys, next_valid);
-    score_batch<kGroup, kInterior>(q, g0, keys, valid, distance_words, lane_counts);
-    if (more) {
+__device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const ChunkLoads& at, int4 (&a)[kLoadBatch],
+                                            int lo, int hi, int keys4, unsigned* distance_words,
+                                            const PhaseOneCounters<kGroup>& counters) {
+  if (at.last_batch == 0) {  // one batch per thread (chunk 4096): nothing to overlap
+    score_batch<kGroup, kInterior>(q, at, 0, a, lo, hi, keys4, distance_words, counters);
+    return;
+  }
+  int4 b[kLoadBatch];
+  for (int batch = 0; batch <= at.last_batch; batch += 2) {  // an even number of batches
+    at.load(batch + 1, b);
+    score_batch<kGroup, kInterior>(q, at, batch, a, lo, hi, keys4, distance_words, counters);
+    at.load(batch + 2, a);  // past the last batch: repeats it (cached), never scored
+    score_batch<kGroup, kInterior>(q, at, batch + 1, b, lo, hi, keys4, distance_words, counters);
+  }
+}
+
+// Writes position + i to o[0], o[1], ... for each set bit i of `bits`, lowest first.
+__device__ __forceinline__ void write_positions(unsigned bits, int position, int32_t* o) {
+  while (bits != 0) {
+    const int bit = __ffs(bits) - 1;
+    bits &= bits - 1;
+    *o++ = position + bit;
+  }
+}
+
+// Phase 2 of one warp: writes the entries of its segment (`steps` x 512 positions from
+// `first_vector`, 16-position vectors of distance bytes) in position order. Entries: distances
+// below `limit`; with kSplitTies, distances below `threshold` plus the ties at `threshold` from
+// the chunk's `chunk_skip`-th on, where the warp's better entries and ties start at out[better_base
+// + ...] and tie number ties_base, as in the other paths (out[better + max(ties - skip, 0)]).
+template <int kGroup, bool kSplitTies>
+__device__ __forceinline__ void write_warp_entries(const uint4* vectors, int first_vector, int steps, int first_position,
+                                                   unsigned limit_bytes, unsigned threshold_bytes, int chunk_skip,
+                                                   int better_base, int ties_base, int32_t* out) {
+  const int lane = threadIdx.x & 31;
+  for (int step = 0; step < steps; ++step) {
+    const int vector = first_vector + step * 32 + lane;
+    const uint4 d = vectors[vector];
+    const unsigned words[4] = {d.x, d.y, d.z, d.w};
+    unsigned better = 0, ties = 0;  // bit i: position 16 vector + i
 #pragma unroll
-      for (int k = 0; k < kLoadBatch; ++k) {
-        keys[k] = next_keys[k];
-        valid[k] = next_valid[k];
+    for (int k = 0; k < 4; ++k) {
+      better |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
+      if constexpr (kSplitTies) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
+    }
+    // Inclusive warp scan of both counts (each <= 16 per lane, <= 512 per warp: 16-bit halves).
+    const unsigned own = __popc(better) | (kSplitTies ? unsigned(__popc(ties)) << 16 : 0u);
+    unsigned inclusive = own;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const unsigned other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    const unsigned before = inclusive - own, step_total = __shfl_sync(0xffffffffu, inclusive, 31);
+    const int position = first_position + vector * 16;
+    if constexpr (!kSplitTies) {
+      write_positions(better, position, out + better_base + int(before));
+    } else {
+      int better_before = better_base + int(before & 0xffffu), ties_seen = ties_base + int(before >> 16);
+      unsigned flagged = better | ties;
+      while (flagged != 0) {
+        const int bit = __ffs(flagged) - 1;
+        flagged &= flagged - 1;
+        if ((better >> bit) & 1u) {
+          out[better_before + max(ties_seen - chunk_skip, 0)] = position + bit;
+          ++better_before;
+        } else {
+          if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + bit;
+          ++ties_seen;
+        }
       }
     }
+    better_base += int(step_total & 0xffffu);
+    ties_base += int(step_total >> 16);
   }
 }
 
@@ -205,53 +272,71 @@ __device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const i
 // Dynamic shared memory: `chunk` distance bytes.
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads)
-    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int32_t* histograms) {
-  constexpr int kBins = 32 * kGroup + 1;  // possible distances
+    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int32_t* histograms, int probe_stop) {
+  using Bytes = DistanceBytes<kGroup>;
+  using Counters = PhaseOneCounters<kGroup>;
+  constexpr int kBins = Counters::kBins;    // possible distances
   constexpr int kParts = kThreads / kBins;  // threads summing one bin's chunk histograms
-  static_assert(kBins <= kThreads && kBins < int(kOutside), "one bin per thread, distances fit a byte");
+  static_assert(kBins <= kThreads, "one bin per thread");
   extern __shared__ uint4 dynamic_smem[];
   unsigned* distance_words = reinterpret_cast<unsigned*>(dynamic_smem);  // chunk / 4 words
-  __shared__ int32_t lane_counts[kBins * 32];  // [distance][lane]: lane-private counters
+  __shared__ uint32_t counter_words[Counters::kWords];
   __shared__ int32_t chunk_histogram[kBins];
+  __shared__ int32_t warp_better[kWarps], warp_ties[kWarps];
   __shared__ int64_t scan_scratch[kWarps];
   __shared__ int32_t row_threshold;
   __shared__ int64_t row_better, row_better_before, row_ties_before, row_ties;
+  const Counters counters{counter_words};
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   const BlockCoordinates at = block_coordinates(p, chunk);
   const int chunks = static_cast<int>(gridDim.x);
+  // The first batch of loads goes out before the row's window (global reads of lengths, starts and
+  // budgets) is known: whole groups of four inside the signatures are always safe to read (the
+  // launch guarantees keys >= 4; the partial group at the end is reloaded when scored).
+  const int keys4 = static_cast<int>(p.keys & ~int64_t(3));
+  ChunkLoads loads;
+  loads.key_row = src.k + at.b * src.ks0 + ((int64_t(at.s) * kGroup) / src.per_key) * src.ks1;
+  loads.base = at.base;
+  loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
+  loads.last_position = min(at.base + chunk, keys4) - 4;
+  int4 first_batch[kLoadBatch];
+  loads.load(0, first_batch);
+
   const RowWindow w = p.window(at.b, at.l);
   const int64_t n = w.candidates(), m = w.heavy_budget;
   const int lo = static_cast<int>(max64(w.sink_end, at.base));
   const int hi = static_cast<int>(min64(w.local_begin, int64_t(at.base) + chunk));
   const bool scored = m > 0 && m < n && lo < hi;  // the same for every thread of the block
 
-  // ---- phase 1: distances of the chunk into shared memory, and their histogram ----
+  // ---- phase 1: distances of the chunk into shared memory, and their histograms ----
   if (scored) {
     unsigned q[kGroup];
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       q[g] = static_cast<unsigned>(src.q[at.b * src.qs0 + (int64_t(at.s) * kGroup + g) * src.qs1 + at.l * src.qs2]);
     }
-    const int32_t* key_row = src.k + at.b * src.ks0 + ((int64_t(at.s) * kGroup) / src.per_key) * src.ks1;
-    for (int i = threadIdx.x; i < kBins * 32; i += kThreads) lane_counts[i] = 0;
+    for (int i = threadIdx.x; i < Counters::kWords; i += kThreads) counter_words[i] = 0;
     __syncthreads();
     if (lo == at.base && hi == at.base + chunk) {
-      score_chunk<kGroup, true>(q, key_row, at.base, chunk, lo, hi, distance_words, lane_counts);
+      score_chunk<kGroup, true>(q, loads, first_batch, lo, hi, keys4, distance_words, counters);
     } else {
-      score_chunk<kGroup, false>(q, key_row, at.base, chunk, lo, hi, distance_words, lane_counts);
+      score_chunk<kGroup, false>(q, loads, first_batch, lo, hi, keys4, distance_words, counters);
     }
     __syncthreads();
-    if (threadIdx.x < kBins) {  // lanes visited in a rotated order: no bank conflicts
+    if (threadIdx.x < kBins) {
       const int bin = threadIdx.x;
-      int32_t total = 0;
+      int32_t total = 0;  // lanes visited in a rotated order: no bank conflicts
 #pragma unroll 8
-      for (int k = 0; k < 32; ++k) total += lane_counts[bin * 32 + ((k + bin) & 31)];
+      for (int k = 0; k < 32; ++k) total += static_cast<int32_t>(counter_words[bin * 32 + ((k + bin) & 31)]);
       chunk_histogram[bin] = total;
       histograms[(int64_t(at.row) * chunks + at.chunk_index) * kBins + bin] = total;
     }
   }
 
+  if (probe_stop == kProbeAfterScoring) return;
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)
+  if (probe_stop == kProbeAfterBarrier) return;
 
   // ---- phase 2: threshold, then ordered compaction from shared memory ----
   if (at.chunk_index == 0) write_fixed_part_of_row(p, at.row, w);
@@ -265,11 +350,12 @@ __global__ void __launch_bounds__(kThreads)
 
   // Per bin: the row's count, and the count in the chunks before this one. kParts threads per
   // bin each sum every kParts-th chunk (loads from L2: written by other blocks in this launch),
-  // then combine their sums through shared memory (lane_counts is free again).
+  // then combine their sums through shared memory (the counters are free again).
   const int c_first = static_cast<int>(w.sink_end / chunk), c_last = static_cast<int>((w.local_begin - 1) / chunk);
   const int bin = threadIdx.x % kBins, part = threadIdx.x / kBins;
-  int32_t* part_sums = lane_counts;  // [part][bin][total, before]
-  __syncthreads();  // lane_counts was last read in phase 1
+  int32_t* part_sums = reinterpret_cast<int32_t*>(counter_words);  // [part][bin][total, before]
+  static_assert(Counters::kWords >= kParts * kBins * 2, "the part sums fit the counters");
+  __syncthreads();  // the counters were last read in phase 1
   if (part < kParts) {
     const int32_t* h = histograms + int64_t(at.row) * chunks * kBins + bin;
     int32_t total = 0, before = 0;
@@ -306,78 +392,76 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
+  if (probe_stop == kProbeAfterThreshold) return;
   const int threshold = row_threshold;
   const int64_t skip = row_ties - (m - row_better);  // the earliest ties at T are dropped
   const int64_t ties_before = row_ties_before;
   int32_t* out = row_out + row_better_before + max64(ties_before - skip, 0);
 
-  // Thread t owns positions [base + t * run, base + (t + 1) * run): count its entries, one block
-  // scan orders the threads, then each thread writes its own entries in order. The first pass
-  // notes which of its words hold entries (~5% of positions are entries at 32x), so the second
-  // visits only those. Ties at T are dropped earliest first, so every chunk but (at most) the one
-  // where the dropping stops either keeps all its ties or none: there, an entry is simply a
-  // distance below a limit (T + 1 or T), one compare per word; only that boundary chunk counts
-  // better entries and ties apart.
-  const int run_vectors = chunk / (16 * kThreads);  // 16 distances per 16-byte shared load; <= 16
-  const int first_vector = threadIdx.x * run_vectors;
+  // Ties at T are dropped earliest first, so every chunk but (at most) the one where the dropping
+  // stops either keeps all its ties or none: there, an entry is a distance below a limit (T + 1 or
+  // T); only that boundary chunk counts better entries and ties apart.
   const int chunk_ties = chunk_histogram[threshold];
-  if (ties_before >= skip || ties_before + chunk_ties <= skip) {  // block-uniform
-    const unsigned limit = ties_before >= skip ? unsigned(threshold) + 1 : unsigned(threshold);
-    compact_below(dynamic_smem, distance_words, first_vector, run_vectors, limit * 0x01010101u, out,
-                  at.base + first_vector * 16, scan_scratch);
-    return;
-  }
-  const int chunk_skip = static_cast<int>(skip - ties_before);  // in (0, chunk_ties)
-  const unsigned threshold_bytes = unsigned(threshold) * 0x01010101u;
-  int better_count = 0, tie_count = 0;
-  uint64_t words_with_entries = 0;  // bit 4 v + k: word k of vector v
-  for (int v = 0; v < run_vectors; ++v) {
-    const uint4 d = dynamic_smem[swizzle(first_vector + v)];
+  const bool split = !(ties_before >= skip || ties_before + chunk_ties <= skip);  // block-uniform
+  const int limit = split ? threshold : (ties_before >= skip ? threshold + 1 : threshold);
+  const int vectors_per_warp = chunk / (16 * kWarps), steps = vectors_per_warp / 32;
+  const int first_vector = warp * vectors_per_warp;
+  const uint4* vectors = dynamic_smem;
+
+  // Each warp's entries (better and ties), then their offsets within the chunk.
+  const unsigned limit_bytes = unsigned(limit) * 0x01010101u, threshold_bytes = unsigned(threshold) * 0x01010101u;
+  unsigned better = 0, ties = 0;
+  for (int step = 0; step < steps; ++step) {
+    const uint4 d = vectors[first_vector + step * 32 + lane];
     const unsigned words[4] = {d.x, d.y, d.z, d.w};
-    unsigned nibble = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int better = __popc(bytes_less(words[k], threshold_bytes));
-      const int ties = __popc(bytes_equal(words[k], threshold_bytes));
-      better_count += better;
-      tie_count += ties;
-      nibble |= unsigned((better | ties) != 0) << k;
+      better += __popc(Bytes::less(words[k], limit_bytes));
+      if (split) ties += __popc(bytes_equal(words[k], threshold_bytes));
     }
-    words_with_entries |= uint64_t(nibble) << (4 * v);
   }
-  const int64_t entries = better_count | (int64_t(tie_count) << 32);
-  const int64_t entries_before = block_exclusive_scan(entries, scan_scratch, scan_total);
-  int better_before = static_cast<int>(entries_before & kLow);
-  int ties_seen = static_cast<int>(entries_before >> 32);
-  while (words_with_entries != 0) {
-    const int word = __ffsll(static_cast<long long>(words_with_entries)) - 1;
-    words_with_entries &= words_with_entries - 1;
-    const int v = word >> 2, k = word & 3;
-    const unsigned d = distance_words[(swizzle(first_vector + v) << 2) | k];
-    const unsigned better = bytes_less(d, threshold_bytes);
-    unsigned flagged = better | bytes_equal(d, threshold_bytes);
-    const int position = at.base + (first_vector + v) * 16 + 4 * k;
-    while (flagged != 0) {  // bit 8 j + 7 set: position + j is an entry
-      const int bit = __ffs(flagged) - 1;
-      flagged &= flagged - 1;
-      if ((better >> bit) & 1u) {
-        out[better_before + max(ties_seen - chunk_skip, 0)] = position + (bit >> 3);
-        ++better_before;
-      } else {
-        if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + (bit >> 3);
-        ++ties_seen;
-      }
-    }
+  const int warp_better_count = static_cast<int>(__reduce_add_sync(0xffffffffu, better));
+  const int warp_tie_count = split ? static_cast<int>(__reduce_add_sync(0xffffffffu, ties)) : 0;
+  if (probe_stop == kProbeAfterCounts) return;
+  if (lane == 0) {
+    warp_better[warp] = warp_better_count;
+    warp_ties[warp] = warp_tie_count;
+  }
+  __syncthreads();
+  int better_base = 0, ties_base = 0;
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) {
+    better_base += v < warp ? warp_better[v] : 0;
+    ties_base += v < warp ? warp_ties[v] : 0;
+  }
+  if (!split) {
+    write_warp_entries<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes, 0,
+                                      better_base, 0, out);
+  } else {
+    write_warp_entries<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes,
+                                     static_cast<int>(skip - ties_before), better_base, ties_base, out);
   }
 }
 
-// Chunk sizes, multiples of 4 * kThreads * kLoadBatch positions. Capacity is set by shared memory
-// (a byte per position): about 25M positions on an H200.
+// Chunk sizes: 4096 positions (one 512-position batch per warp, and one 512-position phase-2
+// step), or multiples of 8192 (score_chunk alternates two batches). Capacity is set by shared
+// memory (a byte per position): about 25M positions on an H200.
 constexpr int kChunkSizes[] = {4096, 8192, 16384, 32768, 65536};
 // Preferred grid: the smallest chunks that make at most this many blocks per multiprocessor (as
 // the chunked path, whose kernels were measured latency-bound with fewer); more, smaller blocks
 // only add per-block work (prologue, histogram sums, barrier arrivals).
 constexpr int kPreferredBlocksPerSm = 4;
+
+int selection_probe() {
+  const char* probe = std::getenv("HASHATTENTION_SELECTION_PROBE");
+  if (probe == nullptr || *probe == '\0') return kProbeOff;
+  if (std::strcmp(probe, "scoring") == 0) return kProbeAfterScoring;
+  if (std::strcmp(probe, "barrier") == 0) return kProbeAfterBarrier;
+  if (std::strcmp(probe, "threshold") == 0) return kProbeAfterThreshold;
+  if (std::strcmp(probe, "counts") == 0) return kProbeAfterCounts;
+  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold or counts (a timing aid), got '",
+              probe, "'");
+}
 
 template <int kGroup>
 bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
@@ -412,7 +496,8 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   int32_t* histograms = workspace.data_ptr<int32_t>();
   SelectionParams params = p;
   HammingSource source = src;
-  void* args[] = {&params, &source, &chunk, &histograms};
+  int probe_stop = selection_probe();
+  void* args[] = {&params, &source, &chunk, &histograms, &probe_stop};
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.heads * p.rows),
                   static_cast<unsigned>(row_count / (p.heads * p.rows)));
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
@@ -433,7 +518,8 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
                                   const at::Tensor& like) {
   const char* path = std::getenv("HASHATTENTION_SELECTION");
   if (path != nullptr && std::strcmp(path, "chunked") == 0) return false;
-  if (src.words != 1 || !src.vector_keys || !src.shared_key_head) return false;
+  // p.keys >= 4: phase 1 reads whole 16-byte groups of the signatures (see ChunkLoads).
+  if (src.words != 1 || !src.vector_keys || !src.shared_key_head || p.keys < 4) return false;
   // 32-bit positions, rows and block coordinates in the kernel (output positions are int32);
   // grid (chunks, Hs * L, B) within CUDA's limits.
   if (p.keys > (int64_t(1) << 30) || row_count >= (int64_t(1) << 31) || p.heads * p.rows > 65535 ||

@@ -1,0 +1,92 @@
+"""Phase times of the one-launch selection kernel (hamming_topk_resident.cu), on the GPU.
+
+The kernel runs in three phases: scoring (read every key signature, distances to shared memory,
+chunk histograms), a grid-wide barrier, then threshold and compaction. Nsight Compute gives stall
+samples but no timeline, so this script times graph replays of `hashattention.hamming_topk` once
+per stopping point (HASHATTENTION_SELECTION_PROBE = scoring, barrier, threshold, counts: the
+kernel returns after phase 1, the grid barrier, the threshold, the warps' entry counts) and once
+in full, and prints the time of each phase as the differences:
+
+    python scripts/probe_selection.py                       # B = 1 and 4, 32K / 128K / 512K, 32x
+    python scripts/probe_selection.py --batches 4 --ns 131072 --selection kv_group
+
+The probed runs leave the output unwritten: timing only. Inputs rotate over --layers buffers so
+that the signatures come from DRAM, as in scripts/bench_decode.py (same shapes: 32 query heads,
+8 KV heads, sink = local = 128). GB/s counts the key-signature bytes one step must read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hashattention as ha  # noqa: E402
+from bench_decode import time_graph  # noqa: E402
+
+QUERY_HEADS, KV_HEADS, SINK, LOCAL = 32, 8, 128, 128
+PROBE = "HASHATTENTION_SELECTION_PROBE"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--ns", type=int, nargs="+", default=[32768, 131072, 524288])
+    parser.add_argument("--sparsity", type=int, default=32)
+    parser.add_argument("--selection", default="query_head", choices=("query_head", "kv_group"))
+    parser.add_argument("--layers", type=int, default=8, help="input buffers rotated per replay")
+    parser.add_argument("--repeats", type=int, default=50)
+    return parser.parse_args()
+
+
+def time_selection(batch: int, n: int, args) -> tuple[float, int]:
+    """Median µs of one hamming_topk call, and the key-signature bytes it reads."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
+    selection_heads = key_heads
+    layers = []
+    for _ in range(args.layers):
+        q = torch.randint(-2**31, 2**31 - 1, (batch, QUERY_HEADS, 1, 1), generator=g, device="cuda", dtype=torch.int32)
+        k = torch.randint(-2**31, 2**31 - 1, (batch, key_heads, n, 1), generator=g, device="cuda", dtype=torch.int32)
+        layers.append((q, k))
+    budget = max(n // args.sparsity - SINK - LOCAL, 0)
+
+    def step(i):
+        q, k = layers[i]
+        return ha.hamming_topk(q, k, selection_heads=selection_heads, sink_tokens=SINK, local_tokens=LOCAL,
+                               budget_tokens=budget)
+
+    return time_graph(step, args.layers, args.repeats, 5), batch * key_heads * n * 4
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available() or not ha.WITH_CUDA:
+        print("probe_selection.py needs a CUDA build and a GPU", file=sys.stderr)
+        return 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, selection {args.selection}, "
+          f"{args.sparsity}x, sink {SINK}, local {LOCAL}")
+    print(f"{'B':>2} {'n':>7} {'full us':>8} {'scoring':>8} {'barrier':>8} {'thresh.':>8} {'counts':>8} "
+          f"{'writes':>8} {'GB/s':>7} {'GB/s p1':>8}")
+    modes = ("", "counts", "threshold", "barrier", "scoring")
+    for batch in args.batches:
+        for n in args.ns:
+            times = {}
+            for mode in modes:
+                os.environ[PROBE] = mode
+                times[mode], nbytes = time_selection(batch, n, args)
+            os.environ.pop(PROBE, None)
+            cumulative = [times[mode] for mode in reversed(modes)]  # scoring, barrier, ..., full
+            deltas = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
+            print(f"{batch:2d} {n:7d} {times['']:8.1f} " + " ".join(f"{d:8.1f}" for d in deltas) +
+                  f" {nbytes / times[''] / 1e3:7.0f} {nbytes / times['scoring'] / 1e3:8.0f}")
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
