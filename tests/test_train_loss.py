@@ -132,6 +132,60 @@ def test_sequence_loss_uses_the_top_k_labels():
     assert add_labels(config, sample)["keys"].shape[1] == 64
 
 
+def test_attention_weighted_positives_match_a_hand_computation():
+    """positive_attention_mix: each positive's weight is scaled by (1 - m) + m*k*p, p = its softmax
+    probability over the causal keys renormalised over the row's positives; negatives unchanged."""
+    torch.manual_seed(5)
+    mix = 0.75
+    config = TrainConfig(sequence_tokens=64, queries_per_sequence=3, top_k=4, sink_tokens=2, local_tokens=2,
+                         alpha=3.0, positive_attention_mix=mix, work_dir="unused")
+    layer = LayerAdapter(AdapterConfig(num_layers=1, num_query_heads=2, num_kv_heads=1, head_dim=8, hidden_features=(4,)))
+    sample = {"query_positions": torch.tensor([30, 45, 63]), "queries": torch.randn(2, 3, 8) * 2,
+              "keys": torch.randn(1, 64, 8), "value_norms": torch.rand(1, 64)}
+    got = sequence_loss(layer, config, sample)
+    logits = signature_logits(layer, sample["queries"], sample["keys"], 0.0)
+    total, count = 0.0, 0
+    for h in range(2):
+        for r, p in enumerate(sample["query_positions"].tolist()):
+            dots = {j: float(sample["queries"][h, r] @ sample["keys"][0, j]) / math.sqrt(8) for j in range(p + 1)}
+            normaliser = sum(math.exp(d) for d in dots.values())
+            candidates = list(range(2, p - 2 + 1))
+            top = sorted(candidates, key=lambda j: -dots[j])[:4]
+            top_mass = sum(math.exp(dots[j]) / normaliser for j in top)
+            for j in candidates:
+                z = float(logits[h, r, j].detach())
+                if j in top:
+                    scale = (1 - mix) + mix * 4 * (math.exp(dots[j]) / normaliser) / top_mass
+                    total += 3.0 * scale * math.log1p(math.exp(-z))
+                else:
+                    total += math.log1p(math.exp(z))
+                count += 1
+    assert got.item() == pytest.approx(total / count, rel=1e-5)
+
+
+def test_attention_positive_scale_averages_one_and_reduces_to_uniform():
+    from train.labels import attention_positive_scale, causal_keys, eligible_keys, top_k_labels
+
+    torch.manual_seed(6)
+    scores = torch.randn(3, 5, 40) * 3
+    positions = torch.tensor([20, 25, 30, 35, 39])
+    eligible, causal = eligible_keys(positions, 40, 2, 2), causal_keys(positions, 40)
+    labels = top_k_labels(scores, eligible, 6)
+    for mix in (0.0, 0.4, 1.0):
+        scale = attention_positive_scale(scores, labels, causal, mix)
+        assert torch.all(scale[~labels] == 0)
+        mean = scale.sum(-1) / labels.sum(-1)
+        torch.testing.assert_close(mean, torch.ones_like(mean))
+    torch.testing.assert_close(attention_positive_scale(scores, labels, causal, 0.0), labels.float())
+    full = attention_positive_scale(scores, labels, causal, 1.0)  # ordered like the scores among positives
+    row_scores, row_scale = scores[0, 0][labels[0, 0]], full[0, 0][labels[0, 0]]
+    assert torch.equal(row_scores.argsort(), row_scale.argsort())
+    with pytest.raises(ValueError, match="mix"):
+        attention_positive_scale(scores, labels, causal, 1.5)
+    with pytest.raises(ValueError, match="positive_attention_mix"):
+        TrainConfig(positive_attention_mix=-0.1)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="bits"):
         TrainConfig(bits=48)

@@ -64,6 +64,10 @@ class TrainConfig:
     # fit
     alpha: float = 20.0
     beta: float = 0.0
+    # 0: every positive of a row weighs the same (the paper); m in (0, 1]: a positive's weight is
+    # scaled by (1 - m) + m * k * p, p its attention probability renormalised over the row's k
+    # positives (mean scale 1), so the keys a query attends to most -- retrieval -- weigh more.
+    positive_attention_mix: float = 0.0
     threshold: float = 0.0
     learning_rate: float = 1e-3
     epochs: int = 4
@@ -113,6 +117,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.bits must be a multiple of 32, got {self.bits}")
         if any(s < 1 for s in self.sparsities):
             raise ValueError(f"TrainConfig.sparsities must be positive, got {self.sparsities}")
+        if not 0.0 <= self.positive_attention_mix <= 1.0:
+            raise ValueError(f"TrainConfig.positive_attention_mix must be in [0, 1], got {self.positive_attention_mix}")
         if self.learning_rate <= 0:
             raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
 
@@ -180,6 +186,8 @@ HELP = {
     "activation": "activation between MLP layers (silu, relu, gelu, tanh, identity)",
     "alpha": "positive weight = alpha + beta * n (n = keys the query sees)",
     "beta": "positive weight = alpha + beta * n",
+    "positive_attention_mix": "m in [0, 1]: scale each positive's weight by (1 - m) + m*k*p, p = its attention "
+                              "probability renormalised over the row's k positives (0: uniform, the paper)",
     "threshold": "subtracted from tanh(f_q)·tanh(f_k) before the sigmoid",
     "learning_rate": "Adam learning rate",
     "epochs": "passes over the training sequences per layer",

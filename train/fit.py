@@ -34,26 +34,32 @@ from .checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from .collect import shard_paths
 from .config import TrainConfig
 from .distributed import DistributedContext
-from .labels import causal_keys, eligible_keys, target_scores, top_k_labels
+from .labels import attention_positive_scale, causal_keys, eligible_keys, target_scores, top_k_labels
 
 log = logging.getLogger(__name__)
 #: The command line recorded in the adapters' ``config.training`` (set by ``python -m train``).
 RUN_COMMAND = ""
 
 
-def weighted_bce_loss(logits: Tensor, labels: Tensor, included: Tensor, positive_weight: Tensor) -> Tensor:
+def weighted_bce_loss(logits: Tensor, labels: Tensor, included: Tensor, positive_weight: Tensor,
+                      positive_scale: Optional[Tensor] = None) -> Tensor:
     """Mean positive-weighted BCE-with-logits over the included cells.
 
     Args:
         logits: ``(H, Q, N)``; labels: bool ``(H, Q, N)``; included: bool ``(Q, N)`` (shared by heads);
         positive_weight: ``(Q,)`` weight of a positive cell in each query row.
+        positive_scale: optional ``(H, Q, N)`` per-cell multiplier of the positive weight
+            (``labels.attention_positive_scale``).
     """
     count = included.sum() * logits.shape[0]
     if count == 0:
         raise ValueError("no included cells: every key is in a window or in the future")
     # −log σ(z) = softplus(−z), −log(1 − σ(z)) = softplus(z); `where` keeps excluded cells (and
     # their gradients) at exactly zero and costs fewer passes over the (H, Q, N) cells than products.
-    per_cell = torch.where(labels, positive_weight[None, :, None] * F.softplus(-logits), F.softplus(logits))
+    weight = positive_weight[None, :, None]
+    if positive_scale is not None:
+        weight = weight * positive_scale.to(logits.dtype)
+    per_cell = torch.where(labels, weight * F.softplus(-logits), F.softplus(logits))
     per_cell = torch.where(included[None], per_cell, torch.zeros((), dtype=logits.dtype))
     return per_cell.sum() / count
 
@@ -79,9 +85,13 @@ def add_labels(config: TrainConfig, sample: Dict[str, Tensor]) -> Dict[str, Tens
     group = queries.shape[0] // keys.shape[0] if config.key_heads == "kv" else 1
     scores = target_scores(queries, keys, sample["value_norms"][:, :num_keys], config.target)
     eligible = eligible_keys(positions, num_keys, config.sink_tokens, config.local_tokens)
-    causal = causal_keys(positions, num_keys) if group > 1 else None
+    weighted = config.positive_attention_mix > 0
+    causal = causal_keys(positions, num_keys) if group > 1 or weighted else None
     labels = top_k_labels(scores, eligible, config.top_k, group, causal)
-    return {**sample, "keys": keys, "labels": labels, "eligible": eligible}
+    extra = {}
+    if weighted:
+        extra["positive_scale"] = attention_positive_scale(scores, labels, causal, config.positive_attention_mix)
+    return {**sample, "keys": keys, "labels": labels, "eligible": eligible, **extra}
 
 
 def sequence_loss(layer: LayerAdapter, config: TrainConfig, sample: Dict[str, Tensor]) -> Tensor:
@@ -90,7 +100,8 @@ def sequence_loss(layer: LayerAdapter, config: TrainConfig, sample: Dict[str, Te
         sample = add_labels(config, sample)
     logits = signature_logits(layer, sample["queries"], sample["keys"], config.threshold)
     positive_weight = config.alpha + config.beta * (sample["query_positions"] + 1).to(logits.dtype)
-    return weighted_bce_loss(logits, sample["labels"], sample["eligible"], positive_weight)
+    return weighted_bce_loss(logits, sample["labels"], sample["eligible"], positive_weight,
+                             sample.get("positive_scale"))
 
 
 def load_layer_samples(paths: List[str], layer: int) -> List[Dict[str, Tensor]]:

@@ -80,3 +80,29 @@ def top_k_labels(scores: Tensor, eligible: Tensor, top_k: int, group_size: int =
     picked = masked.topk(k, dim=-1).indices
     labels = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, picked, True)
     return labels & eligible[None]
+
+
+def attention_positive_scale(scores: Tensor, labels: Tensor, causal: Tensor, mix: float) -> Tensor:
+    """fp32 ``(Hq, Q, N)`` multipliers of the positive cells' loss weight (0 on the other cells).
+
+    A positive's scale is ``(1 - mix) + mix * k * p``, where ``p`` is its attention probability (softmax
+    of ``scores`` over the query's causal keys) renormalised over the row's ``k`` positives, so every
+    row's scales average 1 over its positives: ``mix = 0`` is the uniform weighting, ``mix = 1`` spreads
+    the row's positive weight in proportion to attention (a key holding most of a query's attention,
+    as a retrieved token does, takes most of it).
+
+    Args:
+        scores: fp32 ``(Hq, Q, N)`` target scores; labels: bool ``(Hq, Q, N)``; causal: bool ``(Q, N)``.
+        mix: in ``[0, 1]``.
+    """
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"mix must be in [0, 1], got {mix}")
+    probabilities = torch.softmax(scores.float().masked_fill(~causal[None], float("-inf")), dim=-1)
+    positive = torch.where(labels, probabilities, torch.zeros((), dtype=probabilities.dtype))
+    mass = positive.sum(dim=-1, keepdim=True)
+    count = labels.sum(dim=-1, keepdim=True).to(probabilities.dtype)
+    # Rows whose positives carry no probability (underflow) fall back to the uniform scale.
+    share = torch.where(mass > 0, positive / mass.clamp_min(torch.finfo(probabilities.dtype).tiny),
+                        labels.to(probabilities.dtype) / count.clamp_min(1))
+    scale = (1.0 - mix) + mix * count * share
+    return torch.where(labels, scale, torch.zeros((), dtype=scale.dtype))
