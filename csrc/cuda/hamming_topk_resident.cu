@@ -21,8 +21,8 @@
 // all): scoring 24.4 us (2.75 TB/s over the signatures), barrier 0.9, threshold 2.0, warp counts
 // 2.2, writes 9.2. The write pass's time follows the number of entries, not positions (B = 1 at
 // 512K, the same number of entries, 7.6 us). A try that staged each warp's entries in shared
-// memory for contiguous stores measured the same 9.1 us (and failed tests; dropped), so scattered
-// stores are not the cause. The version before this one (thread-contiguous runs in phase 2, whose
+// memory for contiguous stores measured the same 9.1 us, but it failed tests (dropped), so whether
+// the scattered stores are the cause is open. The version before this one (thread-contiguous runs in phase 2, whose
 // lanes' write loops had different trip counts, and one block scan) took 41.3 us. "scoring"
 // includes the launch and the prologue.
 // Distances, not scores, are counted: the best candidates have the smallest distance, so the
