@@ -29,6 +29,7 @@ from .checkpoint import atomic_write
 from .config import TrainConfig
 from .data import token_sequences
 from .distributed import DistributedContext
+from .retrieval_facts import add_retrieval_facts
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,9 @@ def shard_paths(config: TrainConfig, split: str) -> List[str]:
 
 COLLECTION_FIELDS = ("model", "tokenizer", "dataset", "corpus", "validation_modulus", "document_tokens", "sequence_tokens",
                      "queries_per_sequence", "query_start_fraction", "shard_dtype", "seed", "sink_tokens",
-                     "local_tokens", "top_k", "max_position_offset")
+                     "local_tokens", "top_k", "max_position_offset", "retrieval_facts")
 # Fields added after manifests were first written, with the value older manifests imply.
-COLLECTION_FIELD_DEFAULTS = {"max_position_offset": 0}
+COLLECTION_FIELD_DEFAULTS = {"max_position_offset": 0, "retrieval_facts": 0}
 
 
 def _check_manifest(config: TrainConfig) -> None:
@@ -146,7 +147,10 @@ def collect(config: TrainConfig, context: DistributedContext) -> None:
         positions = sample_query_positions(config, split, index)
         recorder = Recorder(positions, dtype)
         _active_recorder = recorder
-        tokens = sequences[split][index][None]
+        tokens = sequences[split][index]
+        if split == "train":  # validation stays prose: held-out recall comparable across recipes
+            tokens = add_retrieval_facts(config, tokenizer, tokens, index)
+        tokens = tokens[None]
         offset = sequence_position_offset(config, split, index)
         position_ids = torch.arange(offset, offset + tokens.shape[1])[None]
         try:

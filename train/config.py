@@ -50,6 +50,9 @@ class TrainConfig:
     # [0, max_position_offset]: RoPE rotates the captured queries and keys by the offset while their
     # dot products (the labels) stay the same, so short sequences teach signatures for late positions.
     max_position_offset: int = 0
+    # Facts stated early in each training sequence and restated in its query window
+    # (train/retrieval_facts.py): retrieval-shaped rows for the labels. 0 = prose only.
+    retrieval_facts: int = 0
     shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
     # labels
     top_k: int = 32
@@ -96,7 +99,7 @@ class TrainConfig:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("train_sequences", "validation_sequences", "sink_tokens", "local_tokens", "threads",
-                     "document_tokens", "max_position_offset"):
+                     "document_tokens", "max_position_offset", "retrieval_facts"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.query_start_fraction < 1.0:
@@ -176,6 +179,8 @@ HELP = {
     "shard_dtype": "storage dtype of captured queries/keys: float32 or bfloat16",
     "max_position_offset": "run each sequence at a random position offset in [0, N] (RoPE augmentation: "
                            "adapters that work beyond sequence_tokens)",
+    "retrieval_facts": "facts written early into each training sequence and restated in its query window "
+                       "(retrieval-shaped label rows; 0 = prose only)",
     "top_k": "labels: the true top-k keys by the target score",
     "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
     "local_tokens": "local window (latest tokens), excluded from labels and always selected",

@@ -1,0 +1,54 @@
+"""train/retrieval_facts.py: facts written early into a training sequence and restated in its query window."""
+
+import pytest
+import torch
+
+from train.config import TrainConfig
+from train.data import ByteTokenizer
+from train.retrieval_facts import add_retrieval_facts
+
+
+class DecodingByteTokenizer(ByteTokenizer):
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def find_all(sequence, snippet):
+    n = len(snippet)
+    return [i for i in range(len(sequence) - n + 1) if sequence[i:i + n] == snippet]
+
+
+def test_each_fact_is_stated_before_the_query_window_and_restated_inside_it():
+    tokenizer = DecodingByteTokenizer(256)
+    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5, retrieval_facts=4,
+                         work_dir="unused")
+    prose = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
+    sequence = torch.tensor(tokenizer.encode(prose), dtype=torch.long)
+    out = add_retrieval_facts(config, tokenizer, sequence, index=3)
+    assert out.shape == sequence.shape and out.dtype == sequence.dtype
+    text = tokenizer.decode(out.tolist())
+    statements = [s.strip() for s in text.split(" Note: ")[1:]]
+    assert len(statements) == 8  # four facts, each twice
+    first_query = config.first_query_position
+    for fact in {s[: s.index(".") + 1] for s in statements}:
+        ids = tokenizer.encode(" Note: " + fact)
+        places = find_all(out.tolist(), ids)
+        assert len(places) == 2, fact
+        assert places[0] + len(ids) <= first_query <= places[1], (fact, places)
+        assert fact.split(" vault is ")[0].split()[-1] in prose  # the word comes from the sequence's text
+    changed = (out != sequence).nonzero().flatten()
+    assert changed.numel() > 0 and changed.numel() <= 8 * 60  # only the written statements differ
+    torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=3), out)  # seeded
+    assert not torch.equal(add_retrieval_facts(config, tokenizer, sequence, index=4), out)
+
+
+def test_no_facts_leaves_the_sequence_and_too_many_is_an_error():
+    tokenizer = ByteTokenizer(256)  # no decode: words from a fallback list
+    sequence = torch.arange(512) % 256
+    plain = TrainConfig(sequence_tokens=512, queries_per_sequence=16, work_dir="unused")
+    assert add_retrieval_facts(plain, tokenizer, sequence, 0) is sequence
+    crowded = TrainConfig(sequence_tokens=512, queries_per_sequence=16, retrieval_facts=12, work_dir="unused")
+    with pytest.raises(ValueError, match="retrieval_facts"):
+        add_retrieval_facts(crowded, tokenizer, sequence, 0)
+    with pytest.raises(ValueError, match="retrieval_facts"):
+        TrainConfig(retrieval_facts=-1)
