@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kThreads)
   // T); only that boundary chunk counts better entries and ties apart.
   const int chunk_ties = chunk_histogram[threshold];
   const bool split = !(ties_before >= skip || ties_before + chunk_ties <= skip);  // block-uniform
-  const int limit = split ? threshold : (ties_before >= skip ? threshold + 1 : threshold);
+  const int limit = !split && ties_before >= skip ? threshold + 1 : threshold;  // split: better entries only
   const int vectors_per_warp = chunk / (16 * kWarps), steps = vectors_per_warp / 32;
   const int first_vector = warp * vectors_per_warp;
   const uint4* vectors = dynamic_smem;
@@ -465,7 +465,7 @@ int selection_probe() {
 
 template <int kGroup>
 bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
-  constexpr int kBins = 32 * kGroup + 1;
+  constexpr int kBins = PhaseOneCounters<kGroup>::kBins;
   const auto kernel = resident_select_kernel<kGroup>;
   const int64_t sms = multiprocessor_count();
   // Resident blocks per multiprocessor for each chunk size: fixed by the kernel and the

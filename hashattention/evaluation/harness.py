@@ -297,9 +297,11 @@ class Evaluation:
 
         A diagnostic, not cached: the prompt of task sample ``index`` is prefilled densely up to its
         last ``sparse_prompt_tokens`` rows, then every (selector, sparsity) job runs those rows and a
-        :class:`~.metrics.SelectionRecorder` measures recall of the true top-k and attention mass per
-        layer (no generation). Returns ``{(selector, sparsity): {"recall": [...], "mass": [...]}}``
-        (per-layer means; the full model is skipped: it selects everything).
+        :class:`~.metrics.NeedleRecorder` measures recall of the true top-k and attention mass per
+        layer and the needle attention kept at the last row (no generation). Returns
+        ``{(selector, sparsity): {"recall": [...], "mass": [...], "needle_kept": float or None}}``
+        (per-layer means; None where the answers are not in the prompt verbatim; the full model is
+        skipped: it selects everything).
         """
         if not self.selectors:
             self.prepare_selectors()
