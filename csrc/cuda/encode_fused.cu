@@ -7,9 +7,12 @@
 // group of up to 8 rows) does it all. The kernel is latency-bound (a few dozen blocks, a few
 // KB of weights each), so what matters is the number of dependent round trips to memory: each
 // layer's weight matrix (in its own dtype) is first staged into shared memory with 16-byte
-// loads, all in flight at once (in tiles of input rows when it is large), then every thread
-// computes output units from shared memory, accumulating in float32 in input order like the
-// CPU kernel. The last layer's signs become int32 words through warp ballots. Larger inputs
+// loads, all in flight at once (in tiles of input rows when it is large), then the threads
+// compute output units from shared memory in float32. A layer narrower than the block splits
+// its inputs into runs, one per group of fan_out threads, whose partial sums are added in run
+// order: every thread works and the dependent fma chains are shorter (B = 4: 17.1 -> 13.3 us
+// per launch in scripts/bench_encode.py; B = 8: 28.8 -> 19.2). The last layer's signs become
+// int32 words through warp ballots. Larger inputs
 // (prefill) stay on the cuBLAS path, where the matrix products run on tensor cores.
 //
 // Inside a model the weights are not in L2 (the model's own weights stream through it between
@@ -129,11 +132,13 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
   if (row0 >= p.rows) return;
   extern __shared__ float4 shared_raw[];  // 16-byte aligned
   // Layout: two activation buffers of kRows * width_stride floats, every layer's biases (as
-  // float, width_stride each), then the weight staging buffer (every layer, or one tile).
+  // float, width_stride each), the partial sums of a split layer (kThreads * kRows floats), then
+  // the weight staging buffer (every layer, or one tile).
   float* in = reinterpret_cast<float*>(shared_raw);
   float* next = in + kRows * p.width_stride;
   float* biases = next + kRows * p.width_stride;
-  w_t* staged = reinterpret_cast<w_t*>(biases + p.layers * p.width_stride);
+  float* partial = biases + p.layers * p.width_stride;  // kThreads * kRows partial sums of split layers
+  w_t* staged = reinterpret_cast<w_t*>(partial + kThreads * kRows);
   const int rows = static_cast<int>(min64(kRows, p.rows - row0));
 
   // When every layer's weights fit in the staging buffer together (the paper's MLP: 72 KB in
@@ -169,8 +174,18 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
     const int fan_in = p.widths[layer], fan_out = p.widths[layer + 1];
     const bool last = layer + 1 == p.layers;
     const w_t* w = static_cast<const w_t*>(p.weights[layer]) + int64_t(h) * fan_in * fan_out;
-    const int tile_rows = all_staged ? fan_in : max(1, static_cast<int>(kStageBytes / (sizeof(w_t) * fan_out)));
-    // Threads own output units j, j + kThreads, ...: at most kMaxWidth / kThreads of them.
+    // Tiles start at multiples of 4 input rows, so the float4 reads of the activations stay aligned.
+    const int tile_rows = all_staged ? fan_in : max(4, static_cast<int>(kStageBytes / (sizeof(w_t) * fan_out)) / 4 * 4);
+    // A layer narrower than the block splits its inputs into `slices` runs, one per group of
+    // fan_out threads (the 128-wide layers: 2 runs of 64 inputs, the 32-bit output layer: 8 runs
+    // of 16), so every thread works and the dependent chain of fmas is slices times shorter; the
+    // runs' partial sums are added in run order afterwards. A layer at least as wide as the
+    // block has one run, and each thread owns units j, j + kThreads, ... (at most
+    // kMaxWidth / kThreads of them).
+    const int slices = fan_out >= kThreads ? 1 : kThreads / fan_out;
+    const int slice = slices > 1 ? static_cast<int>(threadIdx.x) / fan_out : 0;
+    const int units = slices > 1 ? (slice < slices ? 1 : 0) : kMaxWidth / kThreads;
+    const int j0 = slices > 1 ? static_cast<int>(threadIdx.x) % fan_out : static_cast<int>(threadIdx.x);
     float acc[kMaxWidth / kThreads][kRows];
 #pragma unroll
     for (int u = 0; u < kMaxWidth / kThreads; ++u) {
@@ -186,12 +201,27 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
         __syncthreads();
       }
       const w_t* tile = all_staged ? staged + layer_offset : staged;
+      // This thread's run of the tile's inputs: a multiple of 4 long, so that it starts aligned.
+      const int run = (ceil_div(k_count, slices) + 3) / 4 * 4;
+      const int k_begin = min(k_count, slice * run), k_end = min(k_count, k_begin + run);
 #pragma unroll
       for (int u = 0; u < kMaxWidth / kThreads; ++u) {
-        const int j = threadIdx.x + u * kThreads;
-        if (j >= fan_out) break;
-#pragma unroll 4
-        for (int k = 0; k < k_count; ++k) {
+        const int j = j0 + u * kThreads;
+        if (u >= units || j >= fan_out) break;
+        int k = k_begin;
+#pragma unroll 2
+        for (; k + 4 <= k_end; k += 4) {
+          const float w0 = static_cast<float>(tile[(k + 0) * fan_out + j]);
+          const float w1 = static_cast<float>(tile[(k + 1) * fan_out + j]);
+          const float w2 = static_cast<float>(tile[(k + 2) * fan_out + j]);
+          const float w3 = static_cast<float>(tile[(k + 3) * fan_out + j]);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            const float4 v = *reinterpret_cast<const float4*>(in + r * p.width_stride + k0 + k);
+            acc[u][r] = fmaf(v.w, w3, fmaf(v.z, w2, fmaf(v.y, w1, fmaf(v.x, w0, acc[u][r]))));
+          }
+        }
+        for (; k < k_end; ++k) {
           const float wk = static_cast<float>(tile[k * fan_out + j]);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) acc[u][r] = fmaf(in[r * p.width_stride + k0 + k], wk, acc[u][r]);
@@ -199,10 +229,28 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
       }
     }
     layer_offset += staged_elements(int64_t(fan_in) * fan_out);
+    if (slices > 1) {
+      // Add the runs' partial sums in run order: thread j < fan_out ends up with unit j's sum.
+      if (units > 0) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) partial[(slice * kRows + r) * fan_out + j0] = acc[0][r];
+      }
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < fan_out) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          float sum = partial[r * fan_out + j0];
+          for (int s = 1; s < slices; ++s) sum += partial[(s * kRows + r) * fan_out + j0];
+          acc[0][r] = sum;
+        }
+      }
+    }
+    // Threads that hold finished sums: units j0 + u * kThreads (one run), or j0 < fan_out (split).
+    const int finished = slices > 1 ? (static_cast<int>(threadIdx.x) < fan_out ? 1 : 0) : units;
 #pragma unroll
     for (int u = 0; u < kMaxWidth / kThreads; ++u) {
-      const int j = threadIdx.x + u * kThreads;
-      if (j >= fan_out) break;  // warp-uniform for the last layer: its width is a multiple of 32
+      const int j = j0 + u * kThreads;
+      if (u >= finished || j >= fan_out) break;  // warp-uniform for the last layer: its width is a multiple of 32
       const float bj = biases[layer * p.width_stride + j];
       if (!last) {
 #pragma unroll
@@ -240,7 +288,7 @@ int activation_code(const std::string& activation) {
 // kMaxWidth and kRowsPerBlock).
 template <typename w_t, int kRows>
 int64_t prepare_shared_memory(FusedMlpParams& p) {
-  const int64_t floats = int64_t(sizeof(float)) * (2 * kRows + p.layers) * p.width_stride;
+  const int64_t floats = int64_t(sizeof(float)) * ((2 * kRows + p.layers) * p.width_stride + kThreads * kRows);
   int64_t weights = 0;
   for (int layer = 0; layer < p.layers; ++layer) weights += (int64_t(p.widths[layer]) * p.widths[layer + 1] + 7) / 8 * 8;
   weights *= int64_t(sizeof(w_t));
