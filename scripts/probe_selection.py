@@ -9,6 +9,7 @@ in full, and prints the time of each phase as the differences:
 
     python scripts/probe_selection.py                       # B = 1 and 4, 32K / 128K / 512K, 32x
     python scripts/probe_selection.py --batches 4 --ns 131072 --selection kv_group
+    python scripts/probe_selection.py --batches 4 --ns 131072 --per-sequence --signatures mlp  # as in a model
 
 The probed runs leave the output unwritten: timing only. Inputs rotate over --layers buffers so
 that the signatures come from DRAM, as in scripts/bench_decode.py (same shapes: 32 query heads,
@@ -40,7 +41,28 @@ def parse_args():
     parser.add_argument("--selection", default="query_head", choices=("query_head", "kv_group"))
     parser.add_argument("--layers", type=int, default=8, help="input buffers rotated per replay")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--per-sequence", action="store_true",
+                        help="pass lengths, start_positions and budgets as device tensors, as a patched model does "
+                             "(a static cache with 128 spare slots past the n valid keys)")
+    parser.add_argument("--signatures", default="uniform", choices=("uniform", "mlp"),
+                        help="uniform random words, or the signs of a random 128 -> 128 -> 32 MLP of Gaussian "
+                             "vectors (random adapters on random keys, as the end-to-end benchmark's)")
     return parser.parse_args()
+
+
+def random_signatures(shape, generator, kind: str) -> torch.Tensor:
+    """int32 signatures of `shape` (..., 1): uniform words, or a random MLP's signs of Gaussian rows."""
+    if kind == "uniform":
+        return torch.randint(-2**31, 2**31 - 1, shape, generator=generator, device="cuda", dtype=torch.int32)
+    batch, heads, rows, _ = shape
+    sizes = (128, 128, 32)
+    weights = [torch.randn(heads, i, o, generator=generator, device="cuda").mul(i**-0.5) for i, o in zip(sizes, sizes[1:])]
+    biases = [torch.randn(heads, o, generator=generator, device="cuda").mul(0.1) for o in sizes[1:]]
+    out = torch.empty(shape, device="cuda", dtype=torch.int32)
+    for start in range(0, rows, 16384):
+        x = torch.randn(batch, heads, min(16384, rows - start), 128, generator=generator, device="cuda")
+        out[:, :, start:start + x.shape[2]] = ha.encode_signatures(x, weights, biases, "silu")
+    return out
 
 
 def time_selection(batch: int, n: int, args) -> tuple[float, int]:
@@ -49,16 +71,23 @@ def time_selection(batch: int, n: int, args) -> tuple[float, int]:
     key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
     selection_heads = key_heads
     layers = []
+    slots = n + 128 if args.per_sequence else n
     for _ in range(args.layers):
-        q = torch.randint(-2**31, 2**31 - 1, (batch, QUERY_HEADS, 1, 1), generator=g, device="cuda", dtype=torch.int32)
-        k = torch.randint(-2**31, 2**31 - 1, (batch, key_heads, n, 1), generator=g, device="cuda", dtype=torch.int32)
+        q = random_signatures((batch, QUERY_HEADS, 1, 1), g, args.signatures)
+        k = random_signatures((batch, key_heads, slots, 1), g, args.signatures)
         layers.append((q, k))
     budget = max(n // args.sparsity - SINK - LOCAL, 0)
+    per_sequence = {}
+    if args.per_sequence:
+        per_sequence = dict(lengths=torch.full((batch,), n, device="cuda", dtype=torch.int32),
+                            start_positions=torch.zeros(batch, device="cuda", dtype=torch.int32),
+                            budgets=torch.full((batch,), budget, device="cuda", dtype=torch.int32))
+        budget = max(slots // args.sparsity - SINK - LOCAL, 0)  # the static width, as heavy_width gives
 
     def step(i):
         q, k = layers[i]
         return ha.hamming_topk(q, k, selection_heads=selection_heads, sink_tokens=SINK, local_tokens=LOCAL,
-                               budget_tokens=budget)
+                               budget_tokens=budget, **per_sequence)
 
     return time_graph(step, args.layers, args.repeats, 5), batch * key_heads * n * 4
 
@@ -69,7 +98,8 @@ def main() -> int:
         print("probe_selection.py needs a CUDA build and a GPU", file=sys.stderr)
         return 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, selection {args.selection}, "
-          f"{args.sparsity}x, sink {SINK}, local {LOCAL}")
+          f"{args.sparsity}x, sink {SINK}, local {LOCAL}, signatures {args.signatures}, "
+          f"per-sequence tensors {'yes' if args.per_sequence else 'no'}")
     print(f"{'B':>2} {'n':>7} {'full us':>8} {'scoring':>8} {'barrier':>8} {'thresh.':>8} {'counts':>8} "
           f"{'writes':>8} {'GB/s':>7} {'GB/s p1':>8}")
     modes = ("", "counts", "threshold", "barrier", "scoring")

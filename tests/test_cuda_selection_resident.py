@@ -3,7 +3,8 @@
 hamming_topk takes this path when the whole selection fits on chip: one-word signatures with
 16-byte-aligned contiguous key rows, 1, 2 or 4 query heads per selection head, and about 25M
 positions in all on an H200 (a batch-1 decode step). Blocks cover 4K to 64K positions (chosen from
-the grid size), so the shapes here put rows on both sides of those sizes and of the capacity, with ragged lengths, odd start offsets (partial first and last groups of four),
+the grid size; HASHATTENTION_SELECTION_CHUNK forces one size, so every size is
+tested), so the shapes here put rows on both sides of those sizes and of the capacity, with ragged lengths, odd start offsets (partial first and last groups of four),
 per-sequence budgets, several query rows, few distinct signatures (ties at the threshold span
 many blocks) and the budget edge cases (nothing heavy, every candidate kept). Each case also
 runs with HASHATTENTION_SELECTION=chunked (the two-kernel path) and the two must agree.
@@ -116,3 +117,28 @@ def test_long_rows_and_beyond_capacity(monkeypatch, keys):
     q_sig = signatures((1, 32, 1, 1), g)
     k_sig = signatures((1, 32, keys, 1), g)
     check(monkeypatch, q_sig, k_sig, 32, keys // 32 - 256)
+
+
+@pytest.mark.parametrize("chunk", [4096, 8192, 16384, 32768, 65536])
+@pytest.mark.parametrize("pool", [0, 3])
+def test_every_chunk_size_on_static_cache_slots(monkeypatch, chunk, pool):
+    """Each block size, forced, on a static cache's layout: slots a little past a power of two
+    (a model's n + decode steps, so each row's last block is nearly empty), shorter per-sequence
+    lengths and budgets given as tensors, as a patched model's decode step calls it."""
+    monkeypatch.setenv("HASHATTENTION_SELECTION_CHUNK", str(chunk))
+    g = generator_for("resident-chunk", chunk, pool)
+    slots = 65_536 + 132
+    q_sig = signatures((2, 8, 1, 1), g, pool)
+    k_sig = signatures((2, 8, slots, 1), g, pool)
+    lengths = torch.tensor([65_536 + 5, 40_003], dtype=torch.int32)
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    budgets = torch.tensor([65_541 // 32 - 256, 40_003 // 32 - 256], dtype=torch.int32)
+    check(monkeypatch, q_sig, k_sig, 8, slots // 32 - 256, lengths, starts, budgets)
+
+
+def test_forced_chunk_size_must_be_a_block_size(monkeypatch):
+    monkeypatch.setenv("HASHATTENTION_SELECTION_CHUNK", "5000")
+    q_sig = torch.zeros(1, 4, 1, 1, dtype=torch.int32, device="cuda")
+    k_sig = torch.zeros(1, 4, 10_000, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="HASHATTENTION_SELECTION_CHUNK must be one of"):
+        ha.hamming_topk(q_sig, k_sig, selection_heads=4, sink_tokens=8, local_tokens=8, budget_tokens=100)

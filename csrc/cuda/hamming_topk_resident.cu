@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <string>
 
 namespace hashattention {
 namespace cuda {
@@ -450,6 +451,14 @@ constexpr int kChunkSizes[] = {4096, 8192, 16384, 32768, 65536};
 // Preferred grid: the smallest chunks that make at most this many blocks per multiprocessor (as
 // the chunked path, whose kernels were measured latency-bound with fewer); more, smaller blocks
 // only add per-block work (prologue, histogram sums, barrier arrivals).
+//
+// Measured, not solved (H200, scripts/probe_selection.py --per-sequence): a static cache a few
+// slots past a power of two (a model's n + decode steps: 131,200 slots for n = 128K) makes the
+// selection 28% slower at B = 4 (38.5 -> 49-51 us) and 20% at B = 1 (14.8 -> 17.9 us), phase 1
+// and the write pass alike. This rule then takes 64K-position chunks, 3 per row (the last nearly
+// empty); choosing by positions per multiprocessor instead (32K chunks, 5 per row) measured the
+// same, so the grid's chunk size is not the cause. Chunks sized from the sequences' lengths are
+// the next thing to try.
 constexpr int kPreferredBlocksPerSm = 4;
 
 int selection_probe() {
@@ -463,6 +472,18 @@ int selection_probe() {
               probe, "'");
 }
 
+// HASHATTENTION_SELECTION_CHUNK=<positions> (tests): only that chunk size is considered; when its
+// grid is not resident the op takes the chunked path. 0: unset.
+int forced_chunk_size() {
+  const char* value = std::getenv("HASHATTENTION_SELECTION_CHUNK");
+  if (value == nullptr || *value == '\0') return 0;
+  for (int size : kChunkSizes) {
+    if (std::to_string(size) == value) return size;
+  }
+  TORCH_CHECK(false, "HASHATTENTION_SELECTION_CHUNK must be one of 4096, 8192, 16384, 32768, 65536 (a test aid), got '",
+              value, "'");
+}
+
 template <int kGroup>
 bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
   constexpr int kBins = PhaseOneCounters<kGroup>::kBins;
@@ -472,6 +493,7 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   // architecture, so asked from the driver once (-1: not yet).
   static std::atomic<int> resident_per_sm[] = {-1, -1, -1, -1, -1};
   static_assert(std::size(resident_per_sm) == std::size(kChunkSizes), "one count per chunk size");
+  const int forced_chunk = forced_chunk_size();
   int chosen = -1;  // index into kChunkSizes
   for (size_t i = 0; i < std::size(kChunkSizes); ++i) {
     const int64_t grid = row_count * std::max<int64_t>(1, ceil_div(p.keys, kChunkSizes[i]));
@@ -482,6 +504,7 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
       resident_per_sm[i] = per_sm;
     }
     if (grid > int64_t(per_sm) * sms) continue;  // not resident: the barrier would deadlock
+    if (forced_chunk != 0 && forced_chunk != kChunkSizes[i]) continue;
     if (chosen < 0) chosen = static_cast<int>(i);  // the smallest resident chunk, unless one below is preferred
     if (grid <= kPreferredBlocksPerSm * sms) {
       chosen = static_cast<int>(i);
