@@ -454,11 +454,13 @@ constexpr int kChunkSizes[] = {4096, 8192, 16384, 32768, 65536};
 //
 // Measured, not solved (H200, scripts/probe_selection.py --per-sequence): a static cache a few
 // slots past a power of two (a model's n + decode steps: 131,200 slots for n = 128K) makes the
-// selection 28% slower at B = 4 (38.5 -> 49-51 us) and 20% at B = 1 (14.8 -> 17.9 us), phase 1
-// and the write pass alike. This rule then takes 64K-position chunks, 3 per row (the last nearly
-// empty); choosing by positions per multiprocessor instead (32K chunks, 5 per row) measured the
-// same, so the grid's chunk size is not the cause. Chunks sized from the sequences' lengths are
-// the next thing to try.
+// selection 28% slower at B = 4 (38.5 -> 49-51 us) and 20% at B = 1 (14.8 -> 17.9 us). The kernel
+// uses 64 registers, so 4 blocks fit per multiprocessor (528 on an H200): the nearly empty fifth
+// 32K chunk per row (640 blocks at B = 4) does not fit, and the grid falls to 64K chunks, 3 per row,
+// about 2 working blocks per multiprocessor instead of 4 (B = 1: 16K chunks instead of 8K, the
+// same halving). Offline, __launch_bounds__(kThreads, 5) compiles to 48 registers without spills
+// (660 blocks fit); with a rule that then takes the 32K chunks, that is the next thing to measure,
+// against a last block per row that absorbs the tail instead.
 constexpr int kPreferredBlocksPerSm = 4;
 
 int selection_probe() {
