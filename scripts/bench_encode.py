@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
+from bench_decode import time_graph  # noqa: E402
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM, BITS = 32, 8, 128, 32
 
@@ -66,31 +68,6 @@ def torch_encode(x: torch.Tensor, weights, biases, heads: int) -> torch.Tensor:
     return ha.pack_signs(h.transpose(0, 1).reshape(batch, heads, 1, -1))
 
 
-def time_graph(launches, repeats: int) -> float:
-    """Median µs of one replay of a graph that runs every callable of `launches` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for launch in launches:  # warm-up outside the graph (allocator, lazy init)
-            launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     args = parse_args()
     if not (torch.cuda.is_available() and ha.WITH_CUDA):
@@ -116,10 +93,12 @@ def main():
                                                             torch_encode(key, kw, kb, QUERY_HEADS)])).float().mean()
         bytes_per_launch = weight_bytes + (query.numel() + key.numel()) * 2
         schedule = [stacks[i % args.layers] for i in range(args.launches)]
-        ours = time_graph([lambda s=s: ha.encode_signatures_pair(query, *s[0], key, *s[1], "silu")
-                           for s in schedule], args.repeats) / args.launches
-        baseline = time_graph([lambda s=s: (torch_encode(query, *s[0], QUERY_HEADS), torch_encode(key, *s[1], QUERY_HEADS))
-                               for s in schedule], args.repeats) / args.launches
+        # time_graph replays one graph of step(0) ... step(launches - 1) and returns µs per step.
+        ours = time_graph(lambda i: ha.encode_signatures_pair(query, *schedule[i][0], key, *schedule[i][1], "silu"),
+                          args.launches, args.repeats, 5)
+        baseline = time_graph(lambda i: (torch_encode(query, *schedule[i][0], QUERY_HEADS),
+                                         torch_encode(key, *schedule[i][1], QUERY_HEADS)),
+                              args.launches, args.repeats, 5)
         for method, us in (("pytorch (bmm chain + pack_signs)", baseline), ("ours (encode_signatures_pair)", ours)):
             row = dict(batch=batch, method=method, us=us, gbps=bytes_per_launch / us / 1e3, ratio=baseline / us,
                        layers=args.layers, sizes=list(sizes), words_agreeing=float(agree))
