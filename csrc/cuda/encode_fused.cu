@@ -119,8 +119,8 @@ __device__ __forceinline__ void stage(T* __restrict__ dst, const T* __restrict__
   }
 }
 
-// kRows: rows per block, a power of two <= kRowsPerBlock (the smallest that holds the rows of
-// a head, so a batch-1 decode step computes one accumulator per output unit, not eight).
+// kRows: rows per block, a power of two <= kRowsPerBlock (launch_fused picks it: one at decode,
+// so that a step computes one accumulator per output unit, not eight).
 template <typename x_t, typename w_t, int kRows>
 __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch launch) {
   // Block-uniform choice of the problem; the grid's rows cover the larger problem, so the other
@@ -333,14 +333,21 @@ void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_ty
 }
 
 // Launches the fused kernel once for `problems` (1 or 2) non-empty problems of the same x and
-// weight dtypes. The smallest kRows that holds the larger problem's rows per head: a batch-1
-// decode step computes one accumulator per output unit, not eight.
+// weight dtypes. Rows per block: the fewest that keep the grid within two blocks per
+// multiprocessor. A block's time grows with its rows (the fma chains lengthen: B = 1 / 4 / 8 took
+// 9.3 / 13.3 / 19.2 us per pair launch with all of a head's rows in one block, H200), while more
+// blocks of one head only re-read its weights from L2; so a decode step at B = 4 (a pair launch:
+// 64 heads) runs 256 one-row blocks, and prefill-sized row counts take 8 rows per block.
 void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
-  int64_t rows = 0;
-  for (int i = 0; i < problems; ++i) rows = std::max(rows, launch.problems[i].rows);
-  if (rows == 1) return launch_rows<1>(launch, problems, x_type, weight_type);
-  if (rows == 2) return launch_rows<2>(launch, problems, x_type, weight_type);
-  if (rows <= 4) return launch_rows<4>(launch, problems, x_type, weight_type);
+  int64_t rows = 0, heads = 0;
+  for (int i = 0; i < problems; ++i) {
+    rows = std::max(rows, launch.problems[i].rows);
+    heads += launch.problems[i].heads;
+  }
+  const int64_t blocks = 2 * multiprocessor_count();
+  if (heads * rows <= blocks) return launch_rows<1>(launch, problems, x_type, weight_type);
+  if (heads * ceil_div(rows, int64_t(2)) <= blocks) return launch_rows<2>(launch, problems, x_type, weight_type);
+  if (heads * ceil_div(rows, int64_t(4)) <= blocks) return launch_rows<4>(launch, problems, x_type, weight_type);
   launch_rows<kRowsPerBlock>(launch, problems, x_type, weight_type);
 }
 

@@ -271,8 +271,14 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
 
 // kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
 // Dynamic shared memory: `chunk` distance bytes.
+// Five resident blocks per multiprocessor (48 registers, no spills; 64 without the bound): a static
+// cache a few slots past a multiple of the chunk (n + decode steps) adds a nearly empty chunk per
+// row, and with four blocks per multiprocessor that fifth block did not fit at the preferred chunk
+// size (see kPreferredBlocksPerSm).
+constexpr int kMinResidentBlocks = 5;
+
 template <int kGroup>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int32_t* histograms, int probe_stop) {
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
@@ -448,19 +454,14 @@ __global__ void __launch_bounds__(kThreads)
 // step), or multiples of 8192 (score_chunk alternates two batches). Capacity is set by shared
 // memory (a byte per position): about 25M positions on an H200.
 constexpr int kChunkSizes[] = {4096, 8192, 16384, 32768, 65536};
-// Preferred grid: the smallest chunks that make at most this many blocks per multiprocessor (as
-// the chunked path, whose kernels were measured latency-bound with fewer); more, smaller blocks
-// only add per-block work (prologue, histogram sums, barrier arrivals).
-//
-// Measured, not solved (H200, scripts/probe_selection.py --per-sequence): a static cache a few
-// slots past a power of two (a model's n + decode steps: 131,200 slots for n = 128K) makes the
-// selection 28% slower at B = 4 (38.5 -> 49-51 us) and 20% at B = 1 (14.8 -> 17.9 us). The kernel
-// uses 64 registers, so 4 blocks fit per multiprocessor (528 on an H200): the nearly empty fifth
-// 32K chunk per row (640 blocks at B = 4) does not fit, and the grid falls to 64K chunks, 3 per row,
-// about 2 working blocks per multiprocessor instead of 4 (B = 1: 16K chunks instead of 8K, the
-// same halving). Offline, __launch_bounds__(kThreads, 5) compiles to 48 registers without spills
-// (660 blocks fit); with a rule that then takes the 32K chunks, that is the next thing to measure,
-// against a last block per row that absorbs the tail instead.
+// Preferred grid: the smallest chunks that make at most this many working blocks per
+// multiprocessor (as the chunked path, whose kernels were measured latency-bound with fewer);
+// more, smaller blocks only add per-block work (prologue, histogram sums, barrier arrivals).
+// A row's last chunk counts by the share of its positions: a model's static cache holds n +
+// decode-step slots (131,200 for n = 128K), and counting that nearly empty fifth 32K chunk per row
+// as a whole block pushed the grid to 64K chunks -- about 2 working blocks per multiprocessor
+// instead of 4 -- which made the selection 28% slower at B = 4 and 20% at B = 1 (H200,
+// scripts/probe_selection.py --per-sequence: 38.5 -> 49-51 us and 14.8 -> 17.9 us at 128K).
 constexpr int kPreferredBlocksPerSm = 4;
 
 int selection_probe() {
@@ -508,7 +509,8 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
     if (grid > int64_t(per_sm) * sms) continue;  // not resident: the barrier would deadlock
     if (forced_chunk != 0 && forced_chunk != kChunkSizes[i]) continue;
     if (chosen < 0) chosen = static_cast<int>(i);  // the smallest resident chunk, unless one below is preferred
-    if (grid <= kPreferredBlocksPerSm * sms) {
+    const double working_blocks = double(row_count) * double(p.keys) / double(kChunkSizes[i]);
+    if (working_blocks <= double(kPreferredBlocksPerSm * sms)) {
       chosen = static_cast<int>(i);
       break;
     }
