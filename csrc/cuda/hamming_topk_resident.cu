@@ -15,7 +15,7 @@
 //            threshold distance T (the smallest with count(d <= T) >= m) and how many of its
 //            ties to drop (the earliest); each warp counts the entries of its contiguous segment
 //            of the chunk, takes its offset from the other warps' counts, and walks the segment
-//            512 positions at a time (a 16-byte shared load per lane, counts by ballots), writing
+//            512 positions at a time (a 16-byte shared load per lane, one warp scan), writing
 //            its entries in position order.
 // Measured phases (scripts/probe_selection.py, H200, B = 4, 128K, 32 heads, 32x, 38.8 us in
 // all): scoring 24.4 us (2.75 TB/s over the signatures), barrier 0.9, threshold 2.0, warp counts
@@ -217,67 +217,60 @@ __device__ __forceinline__ void write_positions(unsigned bits, int position, int
   }
 }
 
-// A per-lane count below 32: the sum over the lanes below this one and over the warp, from the
-// ballots of its five bits. The ballots are independent, so a step waits for one ballot and a
-// popcount instead of a five-deep chain of shuffles.
-struct WarpCount {
-  int before, total;
-};
-
-__device__ __forceinline__ WarpCount warp_count(unsigned count) {
-  const unsigned lanes_below = (1u << (threadIdx.x & 31)) - 1u;
-  WarpCount c{0, 0};
-#pragma unroll
-  for (int bit = 0; bit < 5; ++bit) {
-    const unsigned votes = __ballot_sync(0xffffffffu, (count >> bit) & 1u);
-    c.before += __popc(votes & lanes_below) << bit;
-    c.total += __popc(votes) << bit;
-  }
-  return c;
-}
-
 // Phase 2 of one warp: writes the entries of its segment (`steps` x 512 positions from
-// `first_vector`, 16-position vectors of distance bytes) in position order, from out[base] on.
-// Entries: distances below `limit`; with kSplitTies also the ties at `threshold` from the chunk's
-// `chunk_skip`-th on (the earlier ones are dropped), where `ties_before` ties of the chunk precede
-// the segment. Each lane turns its vector into one bit mask of entries -- in the boundary chunk by
-// clearing the ties that fall before the cut, which only the lane holding the cut does bit by bit
-// -- so every chunk writes through the same branch-free compaction. (The version that decided
-// entry by entry whether a tie was kept made the 128 boundary blocks of B = 4 / 128K ~2.5x slower
-// per warp than the others, and the kernel waited for them.)
+// `first_vector`, 16-position vectors of distance bytes) in position order. Entries: distances
+// below `limit`; with kSplitTies, distances below `threshold` plus the ties at `threshold` from
+// the chunk's `chunk_skip`-th on, where the warp's better entries and ties start at out[better_base
+// + ...] and tie number ties_base, as in the other paths (out[better + max(ties - skip, 0)]).
 template <int kGroup, bool kSplitTies>
 __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int first_vector, int steps, int first_position,
                                                    unsigned limit_bytes, unsigned threshold_bytes, int chunk_skip,
-                                                   int base, int ties_before, int32_t* out) {
+                                                   int better_base, int ties_base, int32_t* out) {
   const int lane = threadIdx.x & 31;
   for (int step = 0; step < steps; ++step) {
     const int vector = first_vector + step * 32 + lane;
     const uint4 d = vectors[vector];
     const unsigned words[4] = {d.x, d.y, d.z, d.w};
-    unsigned entries = 0;  // bit i: position 16 vector + i
+    unsigned better = 0, ties = 0;  // bit i: position 16 vector + i
 #pragma unroll
-    for (int k = 0; k < 4; ++k) entries |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
-    if constexpr (kSplitTies) {
-      unsigned ties = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
-      const int own_ties = __popc(ties);
-      const WarpCount t = warp_count(static_cast<unsigned>(own_ties));
-      const int dropped = chunk_skip - (ties_before + t.before);  // this lane's ties before the cut
-      if (dropped >= own_ties) {
-        ties = 0;
-      } else {
-        for (int i = 0; i < dropped; ++i) ties &= ties - 1;  // lowest (earliest) first
-      }
-      entries |= ties;
-      ties_before += t.total;
+    for (int k = 0; k < 4; ++k) {
+      better |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
+      if constexpr (kSplitTies) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
     }
-    const WarpCount e = warp_count(static_cast<unsigned>(__popc(entries)));
-    write_positions(entries, first_position + vector * 16, out + base + e.before);
-    base += e.total;
+    // Inclusive warp scan of both counts (each <= 16 per lane, <= 512 per warp: 16-bit halves).
+    const unsigned own = __popc(better) | (kSplitTies ? unsigned(__popc(ties)) << 16 : 0u);
+    unsigned inclusive = own;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const unsigned other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    const unsigned before = inclusive - own, step_total = __shfl_sync(0xffffffffu, inclusive, 31);
+    const int position = first_position + vector * 16;
+    if constexpr (!kSplitTies) {
+      write_positions(better, position, out + better_base + int(before));
+    } else {
+      int better_before = better_base + int(before & 0xffffu), ties_seen = ties_base + int(before >> 16);
+      unsigned flagged = better | ties;
+      while (flagged != 0) {
+        const int bit = __ffs(flagged) - 1;
+        flagged &= flagged - 1;
+        if ((better >> bit) & 1u) {
+          out[better_before + max(ties_seen - chunk_skip, 0)] = position + bit;
+          ++better_before;
+        } else {
+          if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + bit;
+          ++ties_seen;
+        }
+      }
+    }
+    better_base += int(step_total & 0xffffu);
+    ties_base += int(step_total >> 16);
   }
 }
 
+// kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
+// Dynamic shared memory: `chunk` distance bytes.
 // Five resident blocks per multiprocessor (48 registers, no spills; 64 without the bound): a static
 // cache a few slots past a multiple of the chunk (n + decode steps) adds a nearly empty chunk per
 // row, and with four blocks per multiprocessor that fifth block did not fit at the preferred chunk
@@ -452,11 +445,8 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     write_warp_entries<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes, 0,
                                       better_base, 0, out);
   } else {
-    // The kept entries before this warp's segment: its better entries, and the chunk's ties
-    // before it past the first chunk_skip (dropped earliest first).
-    const int chunk_skip = static_cast<int>(skip - ties_before);
-    write_warp_entries<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes, chunk_skip,
-                                     better_base + max(ties_base - chunk_skip, 0), ties_base, out);
+    write_warp_entries<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes,
+                                     static_cast<int>(skip - ties_before), better_base, ties_base, out);
   }
 }
 

@@ -92,11 +92,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   p.vector_loads = aligned_16(key_cache, element_size, {p.k_s0, p.k_s1, p.k_s2}) &&
                    aligned_16(value_cache, element_size, {p.v_s0, p.v_s1, p.v_s2});
 
-  // Splits from shapes only: about 4 blocks per multiprocessor (kOneHeadBlocksPerSm for one-head
-  // blocks), each split at least one 32-entry tile per warp, at most kMaxSplits (the in-kernel
-  // merge's shared-memory table).
+  // Splits from shapes only: about 4 blocks per multiprocessor, each split at least one
+  // 32-entry tile per warp, at most kMaxSplits (the in-kernel merge's shared-memory table).
   const int64_t units = dims.batch * dims.rows * p.units_per_row;
-  const int64_t target_blocks = (max_heads == 1 ? kOneHeadBlocksPerSm : 4) * int64_t(multiprocessor_count());
+  const int64_t target_blocks = 4 * int64_t(multiprocessor_count());
   int64_t splits = std::max<int64_t>(1, ceil_div(target_blocks, units));
   splits = std::min(splits, std::max<int64_t>(1, ceil_div(dims.width, kMinRowsPerSplit)));
   int64_t rows_per_split = std::max<int64_t>(1, ceil_div(dims.width, splits));

@@ -32,13 +32,6 @@ constexpr int kAttentionWarps = kAttentionThreads / 32;
 // which holds kAttentionWarps * (D + 2) floats per head, at least 4 * 66 = 264.
 constexpr int kMaxSplits = 256;
 constexpr int kMinRowsPerSplit = 128;  // at least one 32-entry tile per warp
-// One-head blocks (per-query-head selection) are compiled for 6 resident per multiprocessor (80
-// registers, no spills; 94 and 5 without the bound) and the host sizes their grids for that many:
-// at batch 1 a block's few 8-row steps are each a DRAM round trip, so more warps in flight is what
-// moves bytes. (The opposite -- software pipelining at 148 registers, 3 blocks -- was measured
-// slower: 27.3 -> 47.5 us per head at 128K / 32x, bench_decode_20261201_1700.md.)
-constexpr int kOneHeadBlocksPerSm = 6;
-constexpr int attention_min_blocks(int max_heads) { return max_heads == 1 ? kOneHeadBlocksPerSm : 1; }
 
 struct AttentionParams {
   const void* query;
@@ -140,7 +133,7 @@ __device__ __forceinline__ float safe_exp2_diff(float a, float b) {  // exp2(a -
 }
 
 template <typename T, int D, int kMaxHeads>
-__global__ void __launch_bounds__(kAttentionThreads, attention_min_blocks(kMaxHeads)) sparse_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(const AttentionParams p) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerPass = 32 / kLanesPerRow;          // rows one warp instruction covers
   constexpr int kUnroll = kMaxHeads >= 8 ? 2 : 4;          // passes loaded before use
