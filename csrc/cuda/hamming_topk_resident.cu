@@ -269,14 +269,14 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
   }
 }
 
-// kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
-// Dynamic shared memory: `chunk` distance bytes.
 // Five resident blocks per multiprocessor (48 registers, no spills; 64 without the bound): a static
 // cache a few slots past a multiple of the chunk (n + decode steps) adds a nearly empty chunk per
 // row, and with four blocks per multiprocessor that fifth block did not fit at the preferred chunk
 // size (see kPreferredBlocksPerSm).
 constexpr int kMinResidentBlocks = 5;
 
+// kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
+// Dynamic shared memory: `chunk` distance bytes.
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int32_t* histograms, int probe_stop) {
