@@ -6,7 +6,8 @@ positions in all on an H200 (a batch-1 decode step). Blocks cover 4K to 64K posi
 the grid size; HASHATTENTION_SELECTION_CHUNK forces one size, so every size is
 tested), so the shapes here put rows on both sides of those sizes and of the capacity, with ragged lengths, odd start offsets (partial first and last groups of four),
 per-sequence budgets, several query rows, few distinct signatures (ties at the threshold span
-many blocks) and the budget edge cases (nothing heavy, every candidate kept). Each case also
+many blocks), the budget edge cases (nothing heavy, every candidate kept) and problems cut into
+several launches (HASHATTENTION_SELECTION_RESIDENT_BLOCKS shrinks the grid). Each case also
 runs with HASHATTENTION_SELECTION=chunked (the two-kernel path) and the two must agree.
 The CPU kernel is the reference (itself checked against hashattention.reference). Skipped
 without a GPU.
@@ -112,7 +113,8 @@ def test_every_candidate_tied(monkeypatch):
 
 @pytest.mark.parametrize("keys", [140_000, 600_000, 1_000_000])
 def test_long_rows_and_beyond_capacity(monkeypatch, keys):
-    """32 rows of 140K / 600K positions (16K- and 64K-position blocks) and of 1M (past the capacity)."""
+    """32 rows of 140K / 600K positions (16K- and 64K-position blocks) and of 1M (past the capacity of one
+    launch: grid slices of 16 rows)."""
     g = generator_for("resident-capacity", keys)
     q_sig = signatures((1, 32, 1, 1), g)
     k_sig = signatures((1, 32, keys, 1), g)
@@ -134,6 +136,33 @@ def test_every_chunk_size_on_static_cache_slots(monkeypatch, chunk, pool):
     starts = torch.tensor([0, 3], dtype=torch.int32)
     budgets = torch.tensor([65_541 // 32 - 256, 40_003 // 32 - 256], dtype=torch.int32)
     check(monkeypatch, q_sig, k_sig, 8, slots // 32 - 256, lengths, starts, budgets)
+
+
+@pytest.mark.parametrize("resident_blocks", [24, 6, 1])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("pool", [0, 3])
+def test_grid_slices(monkeypatch, resident_blocks, group, pool):
+    """A problem larger than one resident grid is cut into launches: whole batches per slice (24
+    blocks: 3 batches of 8 head rows, one 32K-position block each, then 2), one batch's head rows
+    per slice (6 blocks: 4 rows), or one row per launch (1 block). Ragged lengths, starts and
+    budgets, so that slices differ."""
+    monkeypatch.setenv("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", str(resident_blocks))
+    g = generator_for("resident-slices", resident_blocks, group, pool)
+    keys, kv_heads = 20_001, 4
+    q_sig = signatures((5, kv_heads * group, 2, 1), g, pool)
+    k_sig = signatures((5, kv_heads, keys, 1), g, pool)
+    lengths = torch.tensor([keys, 17_777, 301, 9_000, keys - 2], dtype=torch.int32)
+    starts = torch.tensor([0, 1_235, 7, 0, 2], dtype=torch.int32)
+    budgets = torch.tensor([2_000, 333, 5_000, 4_097, 1], dtype=torch.int32)
+    check(monkeypatch, q_sig, k_sig, kv_heads, 4_096, lengths, starts, budgets, sink=5, local=9)
+
+
+def test_forced_resident_blocks_must_be_positive(monkeypatch):
+    monkeypatch.setenv("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "0")
+    q_sig = torch.zeros(1, 4, 1, 1, dtype=torch.int32, device="cuda")
+    k_sig = torch.zeros(1, 4, 10_000, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"):
+        ha.hamming_topk(q_sig, k_sig, selection_heads=4, sink_tokens=8, local_tokens=8, budget_tokens=100)
 
 
 def test_forced_chunk_size_must_be_a_block_size(monkeypatch):

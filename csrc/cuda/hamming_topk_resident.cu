@@ -4,7 +4,8 @@
 // histogram kernel, then a compaction kernel that scores its chunk again. At batch 1 a decode
 // step's selection is small -- 32 heads x 128K positions is 16 MB of signatures, 4M scores --
 // so its time went to the second read, the second launch and each phase's latency chain
-// (H200, 128K: 10 + 17 us). Here one cooperative launch keeps every distance on chip:
+// (H200, 128K: 10 + 17 us). Here one cooperative launch keeps every distance on chip (a problem
+// larger than one resident grid takes several such launches, each over whole batches or head rows):
 //   phase 1: each block loads its chunk of one row (16-byte loads of four positions, two
 //            batches in flight per thread), writes the Hamming distances as bytes, in position
 //            order, to shared memory, counts them with lane-private shared counters (no
@@ -91,18 +92,20 @@ __device__ __forceinline__ unsigned flags_to_bits(unsigned flags) {
 }
 
 // Where a block works: positions [base, base + chunk) of row (b * Hs + s) * L + l of the
-// selection. The grid is (chunks, Hs * L, B), so that no 64-bit division runs per warp.
+// selection. The grid is (chunks, Hs * L, B), or a slice of it: blocks of a launch that serves
+// head rows [offset.x, ...) of batches [offset.y, ...) (see launch_for_group) add the offsets. So no
+// 64-bit division runs per warp.
 struct BlockCoordinates {
   int row, chunk_index, base;
   int b, s, l;
 };
 
-__device__ __forceinline__ BlockCoordinates block_coordinates(const SelectionParams& p, int chunk) {
+__device__ __forceinline__ BlockCoordinates block_coordinates(const SelectionParams& p, int chunk, int2 offset) {
   BlockCoordinates c;
-  const int rows = static_cast<int>(p.rows), head_rows = static_cast<int>(blockIdx.y);
+  const int rows = static_cast<int>(p.rows), head_rows = static_cast<int>(blockIdx.y) + offset.x;
   c.chunk_index = static_cast<int>(blockIdx.x);
   c.base = c.chunk_index * chunk;
-  c.b = static_cast<int>(blockIdx.z);
+  c.b = static_cast<int>(blockIdx.z) + offset.y;
   c.s = rows == 1 ? head_rows : head_rows / rows;  // L = 1 at decode
   c.l = head_rows - c.s * rows;
   c.row = c.b * static_cast<int>(p.heads) * rows + head_rows;
@@ -279,7 +282,8 @@ constexpr int kMinResidentBlocks = 5;
 // Dynamic shared memory: `chunk` distance bytes.
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
-    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int32_t* histograms, int probe_stop) {
+    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,
+                           int probe_stop) {
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
   constexpr int kBins = Counters::kBins;    // possible distances
@@ -296,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   const Counters counters{counter_words};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  const BlockCoordinates at = block_coordinates(p, chunk);
+  const BlockCoordinates at = block_coordinates(p, chunk, offset);  // offset: (head row, batch) of the slice
   const int chunks = static_cast<int>(gridDim.x);
   // The first batch of loads goes out before the row's window (global reads of lengths, starts and
   // budgets) is known: whole groups of four inside the signatures are always safe to read (the
@@ -476,7 +480,8 @@ int selection_probe() {
 }
 
 // HASHATTENTION_SELECTION_CHUNK=<positions> (tests): only that chunk size is considered; when its
-// grid is not resident the op takes the chunked path. 0: unset.
+// grid is not resident the problem is cut into grid slices (or, when one row does not fit, takes
+// the chunked path). 0: unset.
 int forced_chunk_size() {
   const char* value = std::getenv("HASHATTENTION_SELECTION_CHUNK");
   if (value == nullptr || *value == '\0') return 0;
@@ -487,9 +492,28 @@ int forced_chunk_size() {
               value, "'");
 }
 
+// HASHATTENTION_SELECTION_RESIDENT_BLOCKS=<blocks> (tests): the grid may hold at most this many
+// resident blocks, fewer than the GPU would take, so that small problems are cut into grid slices
+// as large ones are. 0: unset.
+int64_t forced_resident_blocks() {
+  const char* value = std::getenv("HASHATTENTION_SELECTION_RESIDENT_BLOCKS");
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long long blocks = std::strtoll(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && blocks > 0,
+              "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive block count (a test aid), got '", value, "'");
+  return blocks;
+}
+
+// How one launch of a grid of `slice_rows` rows is cut: the chunk size (index into kChunkSizes), or
+// -1 when no chunk size makes every block resident.
+struct ChunkChoice {
+  int index = -1;
+  int64_t max_rows = 0;  // the most rows one resident launch can serve, at any allowed chunk size
+};
+
 template <int kGroup>
-bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
-  constexpr int kBins = PhaseOneCounters<kGroup>::kBins;
+ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
   const auto kernel = resident_select_kernel<kGroup>;
   const int64_t sms = multiprocessor_count();
   // Resident blocks per multiprocessor for each chunk size: fixed by the kernel and the
@@ -497,38 +521,77 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   static std::atomic<int> resident_per_sm[] = {-1, -1, -1, -1, -1};
   static_assert(std::size(resident_per_sm) == std::size(kChunkSizes), "one count per chunk size");
   const int forced_chunk = forced_chunk_size();
-  int chosen = -1;  // index into kChunkSizes
+  const int64_t forced_blocks = forced_resident_blocks();
+  ChunkChoice choice;
+  bool preferred = false;
   for (size_t i = 0; i < std::size(kChunkSizes); ++i) {
-    const int64_t grid = row_count * std::max<int64_t>(1, ceil_div(p.keys, kChunkSizes[i]));
+    if (forced_chunk != 0 && forced_chunk != kChunkSizes[i]) continue;
     int per_sm = resident_per_sm[i].load();
     if (per_sm < 0) {
       allow_shared_memory(kernel, kChunkSizes[i]);
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kChunkSizes[i]));
       resident_per_sm[i] = per_sm;
     }
-    if (grid > int64_t(per_sm) * sms) continue;  // not resident: the barrier would deadlock
-    if (forced_chunk != 0 && forced_chunk != kChunkSizes[i]) continue;
-    if (chosen < 0) chosen = static_cast<int>(i);  // the smallest resident chunk, unless one below is preferred
-    const double working_blocks = double(row_count) * double(p.keys) / double(kChunkSizes[i]);
+    int64_t capacity = int64_t(per_sm) * sms;
+    if (forced_blocks > 0) capacity = std::min(capacity, forced_blocks);
+    const int64_t chunks = std::max<int64_t>(1, ceil_div(p.keys, kChunkSizes[i]));
+    choice.max_rows = std::max(choice.max_rows, capacity / chunks);
+    if (preferred || slice_rows * chunks > capacity) continue;  // not resident: the barrier would deadlock
+    if (choice.index < 0) choice.index = static_cast<int>(i);  // the smallest resident chunk, unless one below is preferred
+    const double working_blocks = double(slice_rows) * double(p.keys) / double(kChunkSizes[i]);
     if (working_blocks <= double(kPreferredBlocksPerSm * sms)) {
-      chosen = static_cast<int>(i);
-      break;
+      choice.index = static_cast<int>(i);
+      preferred = true;
     }
   }
-  if (chosen < 0) return false;
-  int chunk = kChunkSizes[chosen];
+  return choice;
+}
+
+// A problem too large for one resident grid (e.g. B = 8 x 32 heads x 128K positions, 33.5M, on an
+// H200) is cut into grid slices launched one after the other: whole batches per slice when a
+// batch fits, else slices of one batch's head rows; slices as equal as possible. Two launches of
+// the one-launch kernel still read each signature once, where the chunked two-kernel path read
+// them twice (H200, B = 8 / 128K / 32x per query head: 150 us on the chunked path).
+template <int kGroup>
+bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
+  constexpr int kBins = PhaseOneCounters<kGroup>::kBins;
+  const int64_t head_rows = p.heads * p.rows, batches = row_count / head_rows;
+  ChunkChoice choice = choose_chunk<kGroup>(p, row_count);
+  int64_t slice_batches = batches, slice_head_rows = head_rows;
+  if (choice.index < 0) {
+    if (choice.max_rows == 0) return false;  // not even one row fits: the chunked path
+    if (head_rows <= choice.max_rows) {
+      const int64_t launches = ceil_div(batches, choice.max_rows / head_rows);
+      slice_batches = ceil_div(batches, launches);
+    } else {
+      slice_batches = 1;
+      slice_head_rows = ceil_div(head_rows, ceil_div(head_rows, choice.max_rows));
+    }
+    choice = choose_chunk<kGroup>(p, slice_batches * slice_head_rows);
+    TORCH_CHECK(choice.index >= 0, "hamming_topk: internal error, no resident grid for a slice of ",
+                slice_batches * slice_head_rows, " rows");
+  }
+  const auto kernel = resident_select_kernel<kGroup>;
+  int chunk = kChunkSizes[choice.index];
   const int64_t chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));
   allow_shared_memory(kernel, chunk);
+  // Chunk histograms of every row (each slice writes its own rows'): sized from shapes only.
   at::Tensor workspace = at::empty({row_count * chunks * kBins}, like.options().dtype(at::kInt));
   int32_t* histograms = workspace.data_ptr<int32_t>();
   SelectionParams params = p;
   HammingSource source = src;
   int probe_stop = selection_probe();
-  void* args[] = {&params, &source, &chunk, &histograms, &probe_stop};
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.heads * p.rows),
-                  static_cast<unsigned>(row_count / (p.heads * p.rows)));
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
-                                             static_cast<size_t>(chunk), at::cuda::getCurrentCUDAStream()));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t z = 0; z < batches; z += slice_batches) {
+    for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
+      int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
+      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop};
+      const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
+                      static_cast<unsigned>(std::min(slice_batches, batches - z)));
+      C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
+                                                 static_cast<size_t>(chunk), stream));
+    }
+  }
   return true;
 }
 
