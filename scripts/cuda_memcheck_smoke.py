@@ -2,11 +2,13 @@
 
 Covers each kernel path once or twice: the fused and the cuBLAS encoder (alone and as a pair),
 sign-and-pack,
-Hamming scores, the one-launch, chunked and radix-select paths of hamming_topk,
+Hamming scores, the one-launch (also in grid slices), chunked and radix-select paths of hamming_topk,
 topk_from_scores, sparse_attention with one and with several splits, HF and paged layouts,
 with counts and without. Results are compared with the
 CPU kernels so the run also fails on wrong answers. Prints OK at the end.
 """
+
+import os
 
 import torch
 
@@ -47,6 +49,16 @@ def main():
         got = ha.hamming_topk(q_sig.cuda(), k_sig.cuda(), lengths=lengths.cuda(), start_positions=starts.cuda(), **kwargs)
         expected = ha.hamming_topk(q_sig, k_sig, lengths=lengths, start_positions=starts, **kwargs)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected)), f"hamming_topk W={words}"
+    # Grid slices of the one-launch path: a grid of at most 4 resident blocks forces launches of
+    # 4 head rows (24 rows of one 4096-position block each).
+    os.environ["HASHATTENTION_SELECTION_RESIDENT_BLOCKS"] = "4"
+    try:
+        q_sig, k_sig = signatures((2, 4, 3, 1), g), signatures((2, 4, 4096, 1), g)
+        kwargs = dict(selection_heads=4, sink_tokens=4, local_tokens=8, budget_tokens=700)
+        got = ha.hamming_topk(q_sig.cuda(), k_sig.cuda(), **kwargs)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ha.hamming_topk(q_sig, k_sig, **kwargs))), "grid slices"
+    finally:
+        del os.environ["HASHATTENTION_SELECTION_RESIDENT_BLOCKS"]
 
     scores = torch.randn(2, 3, 2, 900, generator=g)
     got = ha.topk_from_scores(scores.cuda(), sink_tokens=3, local_tokens=3, budget_tokens=100)
