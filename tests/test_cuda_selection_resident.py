@@ -157,17 +157,15 @@ def test_grid_slices(monkeypatch, resident_blocks, group, pool):
     check(monkeypatch, q_sig, k_sig, kv_heads, 4_096, lengths, starts, budgets, sink=5, local=9)
 
 
-def test_forced_resident_blocks_must_be_positive(monkeypatch):
-    monkeypatch.setenv("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "0")
+@pytest.mark.parametrize("variable, value, message", [
+    ("HASHATTENTION_SELECTION_CHUNK", "5000", "HASHATTENTION_SELECTION_CHUNK must be one of"),
+    ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "0", "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"),
+    ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "many", "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"),
+])
+def test_bad_test_aid_values_are_named(monkeypatch, variable, value, message):
+    """The test aids' environment variables reject what they cannot mean, naming the variable."""
+    monkeypatch.setenv(variable, value)
     q_sig = torch.zeros(1, 4, 1, 1, dtype=torch.int32, device="cuda")
     k_sig = torch.zeros(1, 4, 10_000, 1, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"):
-        ha.hamming_topk(q_sig, k_sig, selection_heads=4, sink_tokens=8, local_tokens=8, budget_tokens=100)
-
-
-def test_forced_chunk_size_must_be_a_block_size(monkeypatch):
-    monkeypatch.setenv("HASHATTENTION_SELECTION_CHUNK", "5000")
-    q_sig = torch.zeros(1, 4, 1, 1, dtype=torch.int32, device="cuda")
-    k_sig = torch.zeros(1, 4, 10_000, 1, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="HASHATTENTION_SELECTION_CHUNK must be one of"):
+    with pytest.raises(RuntimeError, match=message):
         ha.hamming_topk(q_sig, k_sig, selection_heads=4, sink_tokens=8, local_tokens=8, budget_tokens=100)
