@@ -17,6 +17,5 @@ def test_the_recipes_are_found():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_recipe_loads_and_validates(path):
-    config = TrainConfig(**TrainConfig.from_file(path))
-    config.validate()
+    config = TrainConfig(**TrainConfig.from_file(path))  # the constructor validates
     assert config.sequence_tokens - config.first_query_position >= config.queries_per_sequence
