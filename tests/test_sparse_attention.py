@@ -147,3 +147,51 @@ def test_lse_merges_two_halves_into_the_whole(device):
     merged = a * (a_lse - merged_lse).exp()[..., None] + b * (b_lse - merged_lse).exp()[..., None]
     torch.testing.assert_close(merged, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_lse, whole_lse, atol=1e-5, rtol=1e-5)
+
+
+cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a CUDA build and a GPU")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("query_heads,kv_heads,group_shared", [(8, 2, False), (8, 2, True), (16, 2, True), (12, 2, True)])
+@pytest.mark.parametrize("blocks_per_sm,min_rows", [(None, None), ("1", "1"), ("16", "1"), ("4", "100000")])
+def test_launch_shapes_give_the_reference(monkeypatch, dtype, head_dim, query_heads, kv_heads, group_shared,
+                                          blocks_per_sm, min_rows):
+    """Every split count and every share of steps per warp (timing aids of csrc/cuda/sparse_attention.cu
+    force few large splits, or many of a few rows) computes the same attention: one and several
+    heads per block (plain and pipelined loops), partial steps and tiles, empty and full lists."""
+    if blocks_per_sm is not None:
+        monkeypatch.setenv("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", blocks_per_sm)
+        monkeypatch.setenv("HASHATTENTION_ATTENTION_MIN_ROWS", min_rows)
+    case = ("attn-launch", dtype, head_dim, query_heads, kv_heads, group_shared, blocks_per_sm, min_rows)
+    g = generator_for(*case)
+    batch, rows, keys, width = 2, 2, 5000, 1531
+    selection_heads = kv_heads if group_shared else query_heads
+    q = torch.randn(batch, query_heads, rows, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+    indices, counts = random_index_lists(batch, selection_heads, rows, width, keys, g)
+    counts[-1, -1, -1] = 0  # an empty list
+    indices[-1, -1, -1] = -1
+    scale = head_dim**-0.5
+    expected = reference.sparse_attention(q, k, v, indices, counts, scale=scale)
+    got = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), counts.cuda(), scale=scale)
+    check_attention(got, expected, dtype, repr(case))
+
+
+@cuda_only
+@pytest.mark.parametrize("variable, value", [
+    ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "0"),
+    ("HASHATTENTION_ATTENTION_MIN_ROWS", "many"),
+    ("HASHATTENTION_ATTENTION_PROBE", "3"),
+])
+def test_bad_timing_aid_values_are_named(monkeypatch, variable, value):
+    """The attention's timing aids reject what they cannot mean, naming the variable."""
+    monkeypatch.setenv(variable, value)
+    q = torch.randn(1, 4, 1, 64, device="cuda")
+    k = torch.randn(1, 4, 300, 64, device="cuda")
+    indices = torch.arange(200, dtype=torch.int32, device="cuda").expand(1, 4, 1, 200).contiguous()
+    with pytest.raises(RuntimeError, match=f"{variable} must be an integer"):
+        ha.sparse_attention(q, k, k, indices, scale=0.125)

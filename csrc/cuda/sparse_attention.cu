@@ -9,9 +9,14 @@
 // [0, num_pages) -- are skipped like padding.
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <tuple>
+#include <utility>
 
 #include "checks.h"
 #include "cuda_common.cuh"
@@ -30,6 +35,39 @@ bool aligned_16(const at::Tensor& t, int64_t element_size, std::initializer_list
     if ((s * element_size) % 16 != 0) return false;
   }
   return true;
+}
+
+// Timing aids, read per call (scripts/probe_attention.py; never set outside it):
+// HASHATTENTION_ATTENTION_BLOCKS_PER_SM (target blocks per multiprocessor, 4),
+// HASHATTENTION_ATTENTION_MIN_ROWS (rows per split at least; kMinRowsPerSplit or
+// kMinRowsPerSplitPipelined) and HASHATTENTION_ATTENTION_PROBE (1: the kernel returns after its
+// prologue, 2: after its main loop, leaving the output unwritten).
+int64_t timing_aid(const char* name, int64_t fallback, int64_t lowest, int64_t highest) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && parsed >= lowest && parsed <= highest, name, " must be an integer in [",
+              lowest, ", ", highest, "] (a timing aid), got '", value, "'");
+  return parsed;
+}
+
+// Resident blocks of `kernel` per multiprocessor: fixed by the kernel and the device, so asked
+// from the driver once per (device, kernel).
+int64_t resident_blocks_per_sm(AttentionKernel kernel) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0));
+    it = cache.emplace(key, std::max(blocks, 1)).first;
+  }
+  return it->second;
 }
 
 }  // namespace
@@ -92,17 +130,40 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   p.vector_loads = aligned_16(key_cache, element_size, {p.k_s0, p.k_s1, p.k_s2}) &&
                    aligned_16(value_cache, element_size, {p.v_s0, p.v_s1, p.v_s2});
 
-  // Splits from shapes only: about 4 blocks per multiprocessor, each split at least one
-  // 32-entry tile per warp, at most kMaxSplits (the in-kernel merge's shared-memory table).
+  // The kernel (one per dtype, head dim and heads per block): see sparse_attention_kernel.cuh for
+  // why blocks of several heads run the pipelined main loop.
+  const int head_dim = static_cast<int>(dims.head_dim);
+  AttentionKernel kernel = nullptr;
+  switch (query.scalar_type()) {
+    case at::kFloat: kernel = attention_kernel<float>(head_dim, max_heads); break;
+    case at::kHalf: kernel = attention_kernel<c10::Half>(head_dim, max_heads); break;
+    case at::kBFloat16: kernel = attention_kernel<c10::BFloat16>(head_dim, max_heads); break;
+    default: TORCH_CHECK_TYPE(false, "query must be float32, float16 or bfloat16, got ", as_text(query.scalar_type()));
+  }
+  TORCH_CHECK(kernel != nullptr, "sparse_attention: internal error, no kernel for head_dim ", head_dim, " and ",
+              max_heads, " heads per block");
+  const bool pipelined = max_heads > 1;
+
+  // Splits from shapes only: about 4 blocks per multiprocessor (fewer when fewer are resident),
+  // never more blocks than one resident wave when the units fit one (a second, partial wave
+  // doubles the tail: H200, group-shared B = 4 / 128K, 56 -> 43 us), at least kMinRowsPerSplit
+  // rows each (kMinRowsPerSplitPipelined for the pipelined loop), at most kMaxSplits (the
+  // in-kernel merge's shared-memory table).
+  const int64_t sms = multiprocessor_count();
+  const int64_t resident = sms * resident_blocks_per_sm(kernel);
   const int64_t units = dims.batch * dims.rows * p.units_per_row;
-  const int64_t target_blocks = 4 * int64_t(multiprocessor_count());
-  int64_t splits = std::max<int64_t>(1, ceil_div(target_blocks, units));
-  splits = std::min(splits, std::max<int64_t>(1, ceil_div(dims.width, kMinRowsPerSplit)));
+  const int64_t blocks_per_sm = timing_aid("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", 4, 1, 64);
+  const int64_t min_rows = timing_aid("HASHATTENTION_ATTENTION_MIN_ROWS",
+                                      pipelined ? kMinRowsPerSplitPipelined : kMinRowsPerSplit, 1, int64_t(1) << 30);
+  int64_t splits = std::max<int64_t>(1, ceil_div(std::min(blocks_per_sm * sms, resident), units));
+  if (units <= resident) splits = std::min(splits, resident / units);
+  splits = std::min(splits, std::max<int64_t>(1, ceil_div(dims.width, min_rows)));
   int64_t rows_per_split = std::max<int64_t>(1, ceil_div(dims.width, splits));
   rows_per_split = std::max(rows_per_split, ceil_div(dims.width, kMaxSplits));
   splits = std::max<int64_t>(1, ceil_div(dims.width, rows_per_split));
   p.splits = static_cast<int>(splits);
   p.rows_per_split = static_cast<int>(rows_per_split);
+  p.probe_stop = static_cast<int>(timing_aid("HASHATTENTION_ATTENTION_PROBE", 0, 0, 2));
   TORCH_CHECK(units <= std::numeric_limits<int32_t>::max(), "sparse_attention: too many (batch, row, head) units");
 
   at::Tensor partial, counters;
@@ -116,21 +177,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   }
 
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const int head_dim = static_cast<int>(dims.head_dim);
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      launch_sparse_attention<float>(p, head_dim, max_heads, grid, stream);
-      break;
-    case at::kHalf:
-      launch_sparse_attention<c10::Half>(p, head_dim, max_heads, grid, stream);
-      break;
-    case at::kBFloat16:
-      launch_sparse_attention<c10::BFloat16>(p, head_dim, max_heads, grid, stream);
-      break;
-    default:
-      TORCH_CHECK_TYPE(false, "query must be float32, float16 or bfloat16, got ", as_text(query.scalar_type()));
-  }
+  void* args[] = {&p};
+  C10_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kAttentionThreads), args, 0,
+                                  at::cuda::getCurrentCUDAStream()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }

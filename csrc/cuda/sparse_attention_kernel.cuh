@@ -4,13 +4,24 @@
 // Work decomposition: a block serves one "unit" -- up to kMaxHeads consecutive query heads of
 // one (sequence, query row) that share both the index list (selection head) and the KV head --
 // and one split of that list. It therefore reads each selected K/V row once for all the query
-// heads of the unit (group-shared mode: the whole GQA group). Inside a block, warps take tiles
-// of 32 list entries; the 32 lanes of a warp load the 32 indices at once (one coalesced load),
-// resolve them to row addresses (HF layout with any strides, or paged through the block table),
-// then a row is read by D / 8 lanes with 16-byte loads, several rows in flight per lane.
-// Softmax is online in float32 (base 2, the scale folded into q). Partial results of the
-// splits are merged by log-sum-exp in the same kernel: the last block of a unit to finish
-// (an atomic counter per unit, zeroed by the host op) combines them and writes out and lse.
+// heads of the unit (group-shared mode: the whole GQA group). The lanes of a warp load 32 list
+// entries at once (one coalesced load), resolve them to row addresses (HF layout with any
+// strides, or paged through the block table), then a row is read by D / 8 lanes with 16-byte
+// loads, several rows in flight per lane. Softmax is online in float32 (base 2, the scale folded
+// into q). Partial results of the splits are merged by log-sum-exp in the same kernel: the last
+// block of a unit to finish (an atomic counter per unit, zeroed by the host op) combines them and
+// writes out and lse.
+//
+// Two main loops. One head per block (per-query-head selection): each warp takes 32-entry tiles
+// in turn and loads a step's rows right before it consumes them; five resident blocks per
+// multiprocessor (96 registers) keep enough rows in flight. Several heads per block (group-shared
+// selection, kPipelined): the per-head registers allow 2-3 resident blocks, so each warp loads its
+// next step while it consumes the current one, and steps (not tiles) are dealt to the warps in
+// turn, so that short splits keep every warp busy. H200, bf16, D = 128, 32x
+// (scripts/probe_attention.py, session 11, with the one-wave split rule of sparse_attention.cu):
+// group-shared B = 1 / 512K 44.5 -> 39.4 us, B = 4 / 128K 43.4 -> 39.1 us, B = 1 / 32K 15.2 ->
+// 11.7 us (with 32-row splits). For one head per block the pipelined loop was slower (128
+// registers, four resident blocks) and is not used there.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,7 +42,8 @@ constexpr int kAttentionWarps = kAttentionThreads / 32;
 // Splits of one list: the merge keeps one weight per (split, head) in the warp-state buffer,
 // which holds kAttentionWarps * (D + 2) floats per head, at least 4 * 66 = 264.
 constexpr int kMaxSplits = 256;
-constexpr int kMinRowsPerSplit = 128;  // at least one 32-entry tile per warp
+constexpr int kMinRowsPerSplit = 128;           // plain loop: at least one 32-entry tile per warp
+constexpr int kMinRowsPerSplitPipelined = 32;  // pipelined loop: steps are dealt to the warps in turn
 
 struct AttentionParams {
   const void* query;
@@ -60,6 +72,7 @@ struct AttentionParams {
   float* partial_acc;      // (units, splits, kMaxHeads, D): unnormalised outputs of each split
   float* partial_max_sum;  // (units, splits, kMaxHeads, 2): running max (base 2) and sum
   int* counters;           // (units,), zero on entry
+  int probe_stop;          // timing aid (scripts/probe_attention.py): 1 after the prologue, 2 after the main loop
 };
 
 template <typename T>
@@ -132,12 +145,24 @@ __device__ __forceinline__ float safe_exp2_diff(float a, float b) {  // exp2(a -
   return a == -INFINITY ? 0.0f : exp2f(a - b);
 }
 
-template <typename T, int D, int kMaxHeads>
-__global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(const AttentionParams p) {
+// Resident blocks per multiprocessor the compiler must allow (__launch_bounds__): one head per
+// block needs 5 (at most 96 registers: at 100 the H200 held 4 blocks, and the B = 4 / 128K
+// per-head attention ran 12% slower); several heads with 2-byte K/V in the pipelined loop 3 (168
+// registers, no spills); otherwise no bound.
+template <typename T, int kMaxHeads, bool kPipelined>
+constexpr int kMinBlocks() {
+  if (!kPipelined && kMaxHeads == 1) return sizeof(T) == 2 ? 5 : 1;
+  return kPipelined && kMaxHeads <= 4 && sizeof(T) == 2 ? 3 : 1;
+}
+
+template <typename T, int D, int kMaxHeads, bool kPipelined>
+__global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kPipelined>())
+    sparse_attention_kernel(const AttentionParams p) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerPass = 32 / kLanesPerRow;          // rows one warp instruction covers
-  constexpr int kUnroll = kMaxHeads >= 8 ? 2 : 4;          // passes loaded before use
-  constexpr int kRowsPerStep = kRowsPerPass * kUnroll;     // divides 32
+  // Row passes loaded per step: fewer where registers are short (many heads, or two buffers).
+  constexpr int kUnroll = kMaxHeads >= 8 || (kPipelined && kMaxHeads >= 4) ? 2 : 4;
+  constexpr int kRowsPerStep = kRowsPerPass * kUnroll;  // divides 32
   static_assert(32 % kRowsPerStep == 0, "a step must divide a 32-entry tile");
   __shared__ float warp_state[kAttentionWarps][kMaxHeads][D + 2];
   __shared__ int is_last_block;
@@ -191,12 +216,10 @@ __global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(con
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
   }
 
-  // Row offsets (in elements) of this lane's list entry, or -1 for padding / out of range.
-  auto resolve = [&](int64_t j, int64_t& k_off, int64_t& v_off) {
+  // Row offsets (in elements) of a list entry's position, or -1 for padding / out of range.
+  auto resolve_position = [&](int64_t position, int64_t& k_off, int64_t& v_off) {
     k_off = -1;
     v_off = -1;
-    if (j >= j_end) return;
-    const int64_t position = list[j];
     if (position < 0 || position >= p.keys) return;
     if (p.block_table == nullptr) {
       k_off = b * p.k_s0 + kv * p.k_s1 + position * p.k_s2;
@@ -209,69 +232,140 @@ __global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(con
       v_off = page * p.v_s0 + slot * p.v_s1 + kv * p.v_s2;
     }
   };
+  auto resolve = [&](int64_t j, int64_t& k_off, int64_t& v_off) {  // list entry j
+    resolve_position(j < j_end ? int64_t(list[j]) : int64_t(-1), k_off, v_off);
+  };
 
-  for (int64_t tile = j_begin + warp * 32; tile < j_end; tile += kAttentionWarps * 32) {
-    int64_t lane_k, lane_v;
-    resolve(tile + lane, lane_k, lane_v);
-    const int tile_rows = static_cast<int>(min64(32, j_end - tile));
-    for (int base = 0; base < tile_rows; base += kRowsPerStep) {
-      Elements<T> k_rows[kUnroll], v_rows[kUnroll];
-      bool valid[kUnroll];
+  // One step: the logits of kUnroll row passes for every head, then the online-softmax update.
+  auto consume_step = [&](const Elements<T>(&k_rows)[kUnroll], const Elements<T>(&v_rows)[kUnroll],
+                          const bool(&valid)[kUnroll]) {
+    float logit[kUnroll][kMaxHeads];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int r = base + u * kRowsPerPass + row_group;  // < 32
-        const int64_t k_off = __shfl_sync(0xffffffffu, lane_k, r);
-        const int64_t v_off = __shfl_sync(0xffffffffu, lane_v, r);
-        valid[u] = r < tile_rows && k_off >= 0;
-        if (valid[u]) {
-          k_rows[u].load(key + k_off + column, vector);
-          v_rows[u].load(value + v_off + column, vector);
-        } else {
-          k_rows[u].clear();
-          v_rows[u].clear();
-        }
-      }
-      float logit[kUnroll][kMaxHeads];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float kf[8];
-        k_rows[u].to_float(kf);
-#pragma unroll
-        for (int h = 0; h < kMaxHeads; ++h) {
-          float dot = 0.0f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) dot = fmaf(q[h][e], kf[e], dot);
-#pragma unroll
-          for (int offset = kLanesPerRow / 2; offset > 0; offset >>= 1) {
-            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-          }
-          logit[u][h] = valid[u] ? dot : -INFINITY;
-        }
-      }
-      float vf[kUnroll][8];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v_rows[u].to_float(vf[u]);
+    for (int u = 0; u < kUnroll; ++u) {
+      float kf[8];
+      k_rows[u].to_float(kf);
 #pragma unroll
       for (int h = 0; h < kMaxHeads; ++h) {
-        float step_max = logit[0][h];
+        float dot = 0.0f;
 #pragma unroll
-        for (int u = 1; u < kUnroll; ++u) step_max = fmaxf(step_max, logit[u][h]);
-        const float new_max = fmaxf(running_max[h], step_max);
-        if (new_max == -INFINITY) continue;  // nothing valid yet for this row group
-        const float rescale = safe_exp2_diff(running_max[h], new_max);
-        running_sum[h] *= rescale;
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[h][e], kf[e], dot);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[h][e] *= rescale;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const float weight = safe_exp2_diff(logit[u][h], new_max);
-          running_sum[h] += weight;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(weight, vf[u][e], acc[h][e]);
+        for (int offset = kLanesPerRow / 2; offset > 0; offset >>= 1) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         }
-        running_max[h] = new_max;
+        logit[u][h] = valid[u] ? dot : -INFINITY;
       }
     }
+    float vf[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v_rows[u].to_float(vf[u]);
+#pragma unroll
+    for (int h = 0; h < kMaxHeads; ++h) {
+      float step_max = logit[0][h];
+#pragma unroll
+      for (int u = 1; u < kUnroll; ++u) step_max = fmaxf(step_max, logit[u][h]);
+      const float new_max = fmaxf(running_max[h], step_max);
+      if (new_max == -INFINITY) continue;  // nothing valid yet for this row group
+      const float rescale = safe_exp2_diff(running_max[h], new_max);
+      running_sum[h] *= rescale;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h][e] *= rescale;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float weight = safe_exp2_diff(logit[u][h], new_max);
+        running_sum[h] += weight;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(weight, vf[u][e], acc[h][e]);
+      }
+      running_max[h] = new_max;
+    }
+  };
+
+  if (p.probe_stop == 1) {
+    if (q[0][0] == 1.2345f) p.lse[0] = 0.0f;  // keeps the prologue's loads
+    return;
+  }
+  if constexpr (!kPipelined) {
+    for (int64_t tile = j_begin + warp * 32; tile < j_end; tile += kAttentionWarps * 32) {
+      int64_t lane_k, lane_v;
+      resolve(tile + lane, lane_k, lane_v);
+      const int tile_rows = static_cast<int>(min64(32, j_end - tile));
+      for (int base = 0; base < tile_rows; base += kRowsPerStep) {
+        Elements<T> k_rows[kUnroll], v_rows[kUnroll];
+        bool valid[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int r = base + u * kRowsPerPass + row_group;  // < 32
+          const int64_t k_off = __shfl_sync(0xffffffffu, lane_k, r);
+          const int64_t v_off = __shfl_sync(0xffffffffu, lane_v, r);
+          valid[u] = r < tile_rows && k_off >= 0;
+          if (valid[u]) {
+            k_rows[u].load(key + k_off + column, vector);
+            v_rows[u].load(value + v_off + column, vector);
+          } else {
+            k_rows[u].clear();
+            v_rows[u].clear();
+          }
+        }
+        consume_step(k_rows, v_rows, valid);
+      }
+    }
+  } else {
+    // Steps of kRowsPerStep entries are dealt to the warps in turn (step i to warp i % warps), so
+    // every warp works even on short splits, and each warp loads its next step before it
+    // consumes the current one (two register buffers, no copies between them). A warp's "tile"
+    // is 32 of its entries (kStepsPerTile of its steps): one coalesced index load, one entry per
+    // lane, fetched one tile ahead.
+    constexpr int kStepsPerTile = 32 / kRowsPerStep;
+    const int64_t block_entries = j_end > j_begin ? j_end - j_begin : 0;
+    const int block_steps = static_cast<int>(ceil_div(block_entries, kRowsPerStep));
+    const int own_steps = block_steps > warp ? (block_steps - warp + kAttentionWarps - 1) / kAttentionWarps : 0;
+    auto tile_position = [&](int tile) -> int64_t {  // this lane's list entry in the warp's tile, or -1
+      const int own = tile * kStepsPerTile + lane / kRowsPerStep;
+      const int64_t j = j_begin + (int64_t(own) * kAttentionWarps + warp) * kRowsPerStep + lane % kRowsPerStep;
+      return own < own_steps && j < j_end ? int64_t(list[j]) : int64_t(-1);
+    };
+    struct StepRows {
+      Elements<T> k[kUnroll], v[kUnroll];
+      bool valid[kUnroll];
+    };
+    int64_t lane_k = -1, lane_v = -1, next_position = tile_position(0);
+    auto load_step = [&](int own, StepRows& rows) {
+      const int in_tile = own % kStepsPerTile;
+      if (in_tile == 0) {  // warp-uniform: the tile's row offsets, then the next tile's entries
+        resolve_position(next_position, lane_k, lane_v);
+        next_position = tile_position(own / kStepsPerTile + 1);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int r = in_tile * kRowsPerStep + u * kRowsPerPass + row_group;  // < 32
+        const int64_t k_off = __shfl_sync(0xffffffffu, lane_k, r);
+        const int64_t v_off = __shfl_sync(0xffffffffu, lane_v, r);
+        rows.valid[u] = k_off >= 0;
+        if (rows.valid[u]) {
+          rows.k[u].load(key + k_off + column, vector);
+          rows.v[u].load(value + v_off + column, vector);
+        } else {
+          rows.k[u].clear();
+          rows.v[u].clear();
+        }
+      }
+    };
+    auto consume = [&](const StepRows& rows) { consume_step(rows.k, rows.v, rows.valid); };
+    StepRows a, b;
+    if (own_steps > 0) load_step(0, a);
+    for (int own = 0; own < own_steps; own += 2) {
+      const bool has_b = own + 1 < own_steps;
+      if (has_b) load_step(own + 1, b);
+      consume(a);
+      if (!has_b) break;
+      if (own + 2 < own_steps) load_step(own + 2, a);
+      consume(b);
+    }
+  }
+  if (p.probe_stop == 2) {
+    if (running_sum[0] == 1.2345f) p.lse[0] = 0.0f;  // keeps the main loop
+    return;
   }
 
   // Merge the row groups of the warp (lanes that share a column range).
@@ -393,16 +487,30 @@ __global__ void __launch_bounds__(kAttentionThreads) sparse_attention_kernel(con
   }
 }
 
-// Host-side launcher, instantiated per dtype in sparse_attention_<dtype>.cu.
+using AttentionKernel = void (*)(AttentionParams);
+
+// The kernel for a head dim and a maximum number of heads per block (pipelined for more than
+// one); nullptr for an unsupported combination. Instantiated per dtype in sparse_attention_<dtype>.cu (through
+// attention_kernel<T> below), so that the dtypes compile in parallel.
 template <typename T>
-void launch_sparse_attention(const AttentionParams& params, int head_dim, int max_heads, dim3 grid,
-                             cudaStream_t stream);
+AttentionKernel select_attention_kernel(int head_dim, int max_heads) {
+#define HA_KERNEL(D, H) \
+  if (head_dim == D && max_heads == H) return sparse_attention_kernel<T, D, H, (H > 1)>;
+  HA_KERNEL(64, 1) HA_KERNEL(64, 4) HA_KERNEL(64, 8)
+  HA_KERNEL(128, 1) HA_KERNEL(128, 4) HA_KERNEL(128, 8)
+  HA_KERNEL(256, 1) HA_KERNEL(256, 4) HA_KERNEL(256, 8)
+#undef HA_KERNEL
+  return nullptr;
+}
+
+template <typename T>
+AttentionKernel attention_kernel(int head_dim, int max_heads);
 template <>
-void launch_sparse_attention<float>(const AttentionParams&, int, int, dim3, cudaStream_t);
+AttentionKernel attention_kernel<float>(int, int);
 template <>
-void launch_sparse_attention<c10::Half>(const AttentionParams&, int, int, dim3, cudaStream_t);
+AttentionKernel attention_kernel<c10::Half>(int, int);
 template <>
-void launch_sparse_attention<c10::BFloat16>(const AttentionParams&, int, int, dim3, cudaStream_t);
+AttentionKernel attention_kernel<c10::BFloat16>(int, int);
 
 }  // namespace cuda
 }  // namespace hashattention

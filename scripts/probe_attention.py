@@ -1,0 +1,116 @@
+"""Where the sparse attention kernel's time goes, and how its launch shape changes it (GPU only).
+
+Times graph replays of `hashattention.sparse_attention` on indices selected beforehand (random
+signatures, as scripts/bench_decode.py), for each launch shape given by the timing aids of
+csrc/cuda/sparse_attention.cu, and for each stopping point of the kernel
+(HASHATTENTION_ATTENTION_PROBE: 1 = after the prologue, 2 = after the main loop):
+
+    python scripts/probe_attention.py                                  # B = 1 and 4, 32x
+    python scripts/probe_attention.py --batches 1 --ns 131072 --shapes default 8:32
+
+A shape is BLOCKS_PER_SM:MIN_ROWS_PER_SPLIT, or "default" (the op's own choice). Each shape's output is compared with the
+first shape's, so a launch shape that changes the result is reported. Inputs rotate over
+--layers buffers so that K/V come from DRAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hashattention as ha  # noqa: E402
+from bench_decode import time_graph  # noqa: E402
+
+QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
+KNOBS = ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "HASHATTENTION_ATTENTION_MIN_ROWS")
+PROBE = "HASHATTENTION_ATTENTION_PROBE"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--ns", type=int, nargs="+", default=[32768, 131072, 524288])
+    parser.add_argument("--sparsity", type=int, default=32)
+    parser.add_argument("--modes", nargs="+", default=["head", "group"], choices=("head", "group"))
+    parser.add_argument("--shapes", nargs="+", default=["default", "4:128", "8:32"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--max-positions", type=int, default=4 * 131072, help="skip B x n above this")
+    return parser.parse_args()
+
+
+def make_layers(batch, n, mode, sparsity, layers, generator):
+    heads = QUERY_HEADS if mode == "head" else KV_HEADS
+    budget = max(n // sparsity - SINK - LOCAL, 0)
+    out = []
+    for _ in range(layers):
+        q = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        k = torch.randn(batch, KV_HEADS, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        v = torch.randn(batch, KV_HEADS, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        q_sig = torch.randint(-2**31, 2**31 - 1, (batch, QUERY_HEADS, 1, 1), device="cuda", dtype=torch.int32,
+                              generator=generator)
+        k_sig = torch.randint(-2**31, 2**31 - 1, (batch, heads, n, 1), device="cuda", dtype=torch.int32,
+                              generator=generator)
+        indices, counts = ha.hamming_topk(q_sig, k_sig, selection_heads=heads, sink_tokens=SINK, local_tokens=LOCAL,
+                                          budget_tokens=budget)
+        del k_sig
+        out.append((q, k, v, indices, counts))
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available() or not ha.WITH_CUDA:
+        print("probe_attention.py needs a CUDA build and a GPU", file=sys.stderr)
+        return 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.sparsity}x, sink {SINK}, local {LOCAL}")
+    print(f"{'B':>2} {'n':>7} {'mode':>5} {'shape':>9} {'full us':>8} {'prologue':>8} {'loop':>8} {'merge':>8} "
+          f"{'GB/s':>7} {'max diff':>9}")
+    scale = HEAD_DIM**-0.5
+    for batch in args.batches:
+        for n in args.ns:
+            if batch * n > args.max_positions:
+                continue
+            for mode in args.modes:
+                g = torch.Generator(device="cuda").manual_seed(batch * n)
+                layers = make_layers(batch, n, mode, args.sparsity, args.layers, g)
+                rows = QUERY_HEADS if mode == "head" else KV_HEADS
+                nbytes = batch * rows * layers[0][3].shape[-1] * HEAD_DIM * 2 * 2
+
+                def step(i):
+                    q, k, v, indices, counts = layers[i]
+                    return ha.sparse_attention(q, k, v, indices, counts, scale=scale)
+
+                reference = None
+                for shape in args.shapes:
+                    for name in KNOBS:
+                        os.environ.pop(name, None)
+                    if shape != "default":
+                        for name, value in zip(KNOBS, shape.split(":")):
+                            os.environ[name] = value
+                    out = step(0)[0].float()
+                    if reference is None:
+                        reference = out
+                    diff = float((out - reference).abs().max())
+                    times = {}
+                    for stop in ("1", "2", "0"):
+                        os.environ[PROBE] = stop
+                        times[stop] = time_graph(step, args.layers, args.repeats, 5)
+                    os.environ.pop(PROBE, None)
+                    print(f"{batch:2d} {n:7d} {mode:>5} {shape:>9} {times['0']:8.1f} {times['1']:8.1f} "
+                          f"{times['2'] - times['1']:8.1f} {times['0'] - times['2']:8.1f} "
+                          f"{nbytes / times['0'] / 1e3:7.0f} {diff:9.2e}", flush=True)
+                for name in KNOBS:
+                    os.environ.pop(name, None)
+                del layers
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
