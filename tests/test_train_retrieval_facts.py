@@ -52,3 +52,38 @@ def test_no_facts_leaves_the_sequence_and_too_many_is_an_error():
         add_retrieval_facts(crowded, tokenizer, sequence, 0)
     with pytest.raises(ValueError, match="retrieval_facts"):
         TrainConfig(retrieval_facts=-1)
+
+
+def test_paraphrase_style_restates_each_fact_in_other_words():
+    from train.retrieval_facts import PARAPHRASES
+
+    tokenizer = DecodingByteTokenizer(256)
+    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5, retrieval_facts=4,
+                         retrieval_fact_style="paraphrase", work_dir="unused")
+    prose = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
+    sequence = torch.tensor(tokenizer.encode(prose), dtype=torch.long)
+    out = add_retrieval_facts(config, tokenizer, sequence, index=5)
+    first_query = config.first_query_position
+    before, inside = tokenizer.decode(out[:first_query].tolist()), tokenizer.decode(out[first_query:].tolist())
+    found = 0
+    for statement, paraphrase in PARAPHRASES:
+        head, tail = statement.split("{w}")[0], paraphrase.split("{w}")[0]
+        for start in [i for i in range(len(before)) if before.startswith(head, i)]:
+            word = before[start + len(head):].split()[0]
+            fact = statement.split("{d}")[0].format(w=word)
+            assert before.startswith(fact, start), (fact, before[start:start + 80])
+            digits = before[start + len(fact):].split(".")[0]
+            assert digits.isdigit() and len(digits) == 7
+            again = paraphrase.format(w=word, d=digits)
+            assert again in inside, (again, inside[:200])  # restated in other words, same word and digits
+            assert statement.format(w=word, d=digits) not in inside  # never word for word
+            found += 1
+        assert tail  # every paraphrase has a lead-in before the word
+    assert found == 4
+    torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=5), out)  # seeded
+
+
+def test_repeat_style_is_the_default_and_a_bad_style_is_named():
+    assert TrainConfig(sequence_tokens=512, queries_per_sequence=16, work_dir="unused").retrieval_fact_style == "repeat"
+    with pytest.raises(ValueError, match="retrieval_fact_style"):
+        TrainConfig(sequence_tokens=512, queries_per_sequence=16, retrieval_fact_style="echo", work_dir="unused")

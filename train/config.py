@@ -53,6 +53,10 @@ class TrainConfig:
     # Facts stated early in each training sequence and restated in its query window
     # (train/retrieval_facts.py): retrieval-shaped rows for the labels. 0 = prose only.
     retrieval_facts: int = 0
+    # "repeat": the restatement repeats the statement word for word; "paraphrase": it says the same
+    # fact in other words (one of several statement / paraphrase pairs per fact), so that the labels
+    # teach retrieval across wording, as a question about a needle needs.
+    retrieval_fact_style: str = "repeat"
     shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
     # labels
     top_k: int = 32
@@ -112,7 +116,8 @@ class TrainConfig:
             )
         choices = {"target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
                    "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
-                   "save_dtype": ("float32", "bfloat16", "float16")}
+                   "save_dtype": ("float32", "bfloat16", "float16"),
+                   "retrieval_fact_style": ("repeat", "paraphrase")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -181,6 +186,7 @@ HELP = {
                            "adapters that work beyond sequence_tokens)",
     "retrieval_facts": "facts written early into each training sequence and restated in its query window "
                        "(retrieval-shaped label rows; 0 = prose only)",
+    "retrieval_fact_style": '"repeat" (restated word for word) or "paraphrase" (restated in other words)',
     "top_k": "labels: the true top-k keys by the target score",
     "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
     "local_tokens": "local window (latest tokens), excluded from labels and always selected",

@@ -10,10 +10,13 @@ With ``retrieval_facts = F`` each *training* sequence gets F facts of the form
 written over its tokens at random places before the query window, and the same F statements
 again, in another order, inside the query window ``[first_query_position, sequence_tokens)``. A
 query row inside a restatement then has the earlier statement among its true top keys, so the
-labels teach the signatures that match. The template differs from the evaluation tasks' ("special
-magic number") on purpose, the words come from the training documents' own text, and validation
-sequences are left as they are, so held-out recall stays comparable with adapters fitted on prose.
-Seeded by (seed, index): the same config writes the same sequences.
+labels teach the signatures that match. With ``retrieval_fact_style = "paraphrase"`` each fact
+takes one of several statement / paraphrase pairs instead (``PARAPHRASES``): the restatement names
+the same word and digits in other words, as a question names a needle in words of its own, so the
+query rows must find the earlier digits without a verbatim match. The templates differ from the
+evaluation tasks' ("special magic number") on purpose, the words come from the training documents'
+own text, and validation sequences are left as they are, so held-out recall stays comparable with
+adapters fitted on prose. Seeded by (seed, index): the same config writes the same sequences.
 """
 
 from __future__ import annotations
@@ -33,6 +36,17 @@ def _statement(word: str, digits: str) -> str:
     return f" Note: the access code of the {word} vault is {digits}."
 
 
+# (statement, restatement in other words) pairs for retrieval_fact_style = "paraphrase".
+PARAPHRASES = (
+    (" Note: the access code of the {w} vault is {d}.", " To open the {w} vault, enter {d}."),
+    (" Remember that the ticket number for {w} is {d}.", " Which ticket number was given for {w}? It was {d}."),
+    (" The {w} account was opened with the PIN {d}.", " Logging in to the {w} account takes the PIN {d}."),
+    (" For the record, the {w} file is stored under {d}.", " Look for the {w} file under {d}."),
+    (" Our {w} locker uses the combination {d}.", " The combination of the {w} locker is {d}."),
+    (" The parcel for {w} carries the tracking number {d}.", " Tracking the {w} parcel needs the number {d}."),
+)
+
+
 def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, index: int) -> torch.Tensor:
     """A copy of the int64 ``(sequence_tokens,)`` training sequence ``index`` with
     ``config.retrieval_facts`` facts written over it (see the module docstring).
@@ -47,14 +61,22 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
     text = tokenizer.decode(sequence.tolist()) if hasattr(tokenizer, "decode") else ""
     words = sorted({w.lower() for w in _WORD.findall(text)}) or ["amber", "cobalt", "harbor", "meadow", "quartz"]
     chosen = rng.sample(words, count) if len(words) >= count else [rng.choice(words) + str(i) for i in range(count)]
-    facts = [_statement(word, str(rng.randrange(10**6, 10**7))) for word in chosen]
+    digits = [str(rng.randrange(10**6, 10**7)) for _ in chosen]
+    if config.retrieval_fact_style == "paraphrase":
+        pairs = [rng.choice(PARAPHRASES) for _ in chosen]
+        facts = [a.format(w=w, d=d) for (a, _), w, d in zip(pairs, chosen, digits)]
+        restated = [b.format(w=w, d=d) for (_, b), w, d in zip(pairs, chosen, digits)]
+    else:
+        facts = restated = [_statement(w, d) for w, d in zip(chosen, digits)]
     encoded = [tokenizer.encode(fact, add_special_tokens=False) for fact in facts]
+    encoded_again = [tokenizer.encode(fact, add_special_tokens=False) for fact in restated]
     first_query = config.first_query_position
     out = sequence.clone()
     _write_spread(out, encoded, 1, first_query, rng, "before the query window")
     order = list(range(count))
     rng.shuffle(order)
-    _write_spread(out, [encoded[i] for i in order], first_query, config.sequence_tokens, rng, "inside the query window")
+    _write_spread(out, [encoded_again[i] for i in order], first_query, config.sequence_tokens, rng,
+                  "inside the query window")
     return out
 
 
