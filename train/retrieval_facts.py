@@ -69,7 +69,7 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
     else:
         facts = restated = [_statement(w, d) for w, d in zip(chosen, digits)]
     encoded = [tokenizer.encode(fact, add_special_tokens=False) for fact in facts]
-    encoded_again = [tokenizer.encode(fact, add_special_tokens=False) for fact in restated]
+    encoded_again = encoded if restated is facts else [tokenizer.encode(f, add_special_tokens=False) for f in restated]
     first_query = config.first_query_position
     out = sequence.clone()
     _write_spread(out, encoded, 1, first_query, rng, "before the query window")

@@ -236,6 +236,27 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     resolve_position(j < j_end ? int64_t(list[j]) : int64_t(-1), k_off, v_off);
   };
 
+  // One step's K/V rows: pass u reads row first_row + u * kRowsPerPass + row_group of the warp's 32
+  // resolved entries (row r's offsets are held by lane r); rows at or past row_limit, and padding,
+  // are cleared and marked invalid.
+  auto load_rows = [&](int64_t lane_k, int64_t lane_v, int first_row, int row_limit, Elements<T>(&k_rows)[kUnroll],
+                       Elements<T>(&v_rows)[kUnroll], bool(&valid)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = first_row + u * kRowsPerPass + row_group;  // < 32
+      const int64_t k_off = __shfl_sync(0xffffffffu, lane_k, r);
+      const int64_t v_off = __shfl_sync(0xffffffffu, lane_v, r);
+      valid[u] = r < row_limit && k_off >= 0;
+      if (valid[u]) {
+        k_rows[u].load(key + k_off + column, vector);
+        v_rows[u].load(value + v_off + column, vector);
+      } else {
+        k_rows[u].clear();
+        v_rows[u].clear();
+      }
+    }
+  };
+
   // One step: the logits of kUnroll row passes for every head, then the online-softmax update.
   auto consume_step = [&](const Elements<T>(&k_rows)[kUnroll], const Elements<T>(&v_rows)[kUnroll],
                           const bool(&valid)[kUnroll]) {
@@ -293,20 +314,7 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
       for (int base = 0; base < tile_rows; base += kRowsPerStep) {
         Elements<T> k_rows[kUnroll], v_rows[kUnroll];
         bool valid[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int r = base + u * kRowsPerPass + row_group;  // < 32
-          const int64_t k_off = __shfl_sync(0xffffffffu, lane_k, r);
-          const int64_t v_off = __shfl_sync(0xffffffffu, lane_v, r);
-          valid[u] = r < tile_rows && k_off >= 0;
-          if (valid[u]) {
-            k_rows[u].load(key + k_off + column, vector);
-            v_rows[u].load(value + v_off + column, vector);
-          } else {
-            k_rows[u].clear();
-            v_rows[u].clear();
-          }
-        }
+        load_rows(lane_k, lane_v, base, tile_rows, k_rows, v_rows, valid);
         consume_step(k_rows, v_rows, valid);
       }
     }
@@ -336,20 +344,7 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
         resolve_position(next_position, lane_k, lane_v);
         next_position = tile_position(own / kStepsPerTile + 1);
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int r = in_tile * kRowsPerStep + u * kRowsPerPass + row_group;  // < 32
-        const int64_t k_off = __shfl_sync(0xffffffffu, lane_k, r);
-        const int64_t v_off = __shfl_sync(0xffffffffu, lane_v, r);
-        rows.valid[u] = k_off >= 0;
-        if (rows.valid[u]) {
-          rows.k[u].load(key + k_off + column, vector);
-          rows.v[u].load(value + v_off + column, vector);
-        } else {
-          rows.k[u].clear();
-          rows.v[u].clear();
-        }
-      }
+      load_rows(lane_k, lane_v, in_tile * kRowsPerStep, 32, rows.k, rows.v, rows.valid);
     };
     auto consume = [&](const StepRows& rows) { consume_step(rows.k, rows.v, rows.valid); };
     StepRows a, b;
