@@ -10,6 +10,12 @@ in full, and prints the time of each phase as the differences:
     python scripts/probe_selection.py                       # B = 1 and 4, 32K / 128K / 512K, 32x
     python scripts/probe_selection.py --batches 4 --ns 131072 --selection kv_group
     python scripts/probe_selection.py --batches 4 --ns 131072 --per-sequence --signatures mlp  # as in a model
+    python scripts/probe_selection.py --batches 1 --ns 8192 32768 131072 --read-floor
+
+--read-floor adds what any one-kernel selection costs at the least, measured in the same way (graph
+replays of one launch per layer buffer): "empty", a kernel that writes one word (the launch and
+the gap between two kernels of a graph), and "read", the best of a few Triton kernels that read
+the same key-signature bytes once and write one word per block (no scoring, no second phase).
 
 The probed runs leave the output unwritten: timing only. Inputs rotate over --layers buffers so
 that the signatures come from DRAM, as in scripts/bench_decode.py (same shapes: 32 query heads,
@@ -29,6 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
 from bench_decode import time_graph  # noqa: E402
 
+try:  # only --read-floor needs it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 QUERY_HEADS, KV_HEADS, SINK, LOCAL = 32, 8, 128, 128
 PROBE = "HASHATTENTION_SELECTION_PROBE"
 
@@ -47,6 +59,8 @@ def parse_args():
     parser.add_argument("--signatures", default="uniform", choices=("uniform", "mlp"),
                         help="uniform random words, or the signs of a random 128 -> 128 -> 32 MLP of Gaussian "
                              "vectors (random adapters on random keys, as the end-to-end benchmark's)")
+    parser.add_argument("--read-floor", action="store_true",
+                        help="also time an empty kernel and a plain read of the same signature bytes (needs Triton)")
     return parser.parse_args()
 
 
@@ -92,6 +106,45 @@ def time_selection(batch: int, n: int, args) -> tuple[float, int]:
     return time_graph(step, args.layers, args.repeats, 5), batch * key_heads * n * 4
 
 
+if triton is not None:
+    @triton.jit
+    def write_one(out):
+        tl.store(out, 1)
+
+    @triton.jit
+    def sum_words(words, out, n_words, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offsets = pid * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(words + offsets, mask=offsets < n_words, other=0)
+        tl.store(out + pid, tl.sum(x, axis=0))
+
+
+def read_floor(batch: int, n: int, args) -> tuple[float, float]:
+    """Median µs of an empty kernel and of the best plain read of the selection's signature bytes.
+
+    Each replay runs one launch per layer buffer, as time_selection does, so both numbers carry
+    the same per-launch gaps. The read kernels load every 32-bit word once (16-byte vectors) and
+    store one sum per block; the block sizes and warp counts tried are the usual fast ones.
+    """
+    if triton is None:
+        raise SystemExit("--read-floor needs Triton")
+    key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
+    slots = n + 128 if args.per_sequence else n
+    g = torch.Generator(device="cuda").manual_seed(0)
+    buffers = [random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1) for _ in range(args.layers)]
+    words = buffers[0].numel()
+    sink = torch.zeros(1, device="cuda", dtype=torch.int32)
+    empty = time_graph(lambda i: write_one[(1,)](sink), args.layers, args.repeats, 5)
+    best = float("inf")
+    for block, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)):
+        blocks = triton.cdiv(words, block)
+        out = torch.empty(blocks, device="cuda", dtype=torch.int32)
+        launch = lambda i: sum_words[(blocks,)](buffers[i], out, words, BLOCK=block, num_warps=warps)  # noqa: E731
+        best = min(best, time_graph(launch, args.layers, args.repeats, 5))
+    del buffers
+    return empty, best
+
+
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available() or not ha.WITH_CUDA:
@@ -100,8 +153,9 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, selection {args.selection}, "
           f"{args.sparsity}x, sink {SINK}, local {LOCAL}, signatures {args.signatures}, "
           f"per-sequence tensors {'yes' if args.per_sequence else 'no'}")
+    floor_header = f" {'empty':>6} {'read':>6} {'GB/s rd':>8}" if args.read_floor else ""
     print(f"{'B':>2} {'n':>7} {'full us':>8} {'scoring':>8} {'barrier':>8} {'thresh.':>8} {'counts':>8} "
-          f"{'writes':>8} {'GB/s':>7} {'GB/s p1':>8}")
+          f"{'writes':>8} {'GB/s':>7} {'GB/s p1':>8}" + floor_header)
     modes = ("", "counts", "threshold", "barrier", "scoring")
     for batch in args.batches:
         for n in args.ns:
@@ -112,8 +166,12 @@ def main() -> int:
             os.environ.pop(PROBE, None)
             cumulative = [times[mode] for mode in reversed(modes)]  # scoring, barrier, ..., full
             deltas = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
+            floor = ""
+            if args.read_floor:
+                empty, read = read_floor(batch, n, args)
+                floor = f" {empty:6.1f} {read:6.1f} {nbytes / read / 1e3:8.0f}"
             print(f"{batch:2d} {n:7d} {times['']:8.1f} " + " ".join(f"{d:8.1f}" for d in deltas) +
-                  f" {nbytes / times[''] / 1e3:7.0f} {nbytes / times['scoring'] / 1e3:8.0f}")
+                  f" {nbytes / times[''] / 1e3:7.0f} {nbytes / times['scoring'] / 1e3:8.0f}" + floor)
             torch.cuda.empty_cache()
     return 0
 
