@@ -3,7 +3,8 @@
 Covers each kernel path once or twice: the fused and the cuBLAS encoder (alone and as a pair),
 sign-and-pack,
 Hamming scores, the one-launch (also in grid slices), chunked and radix-select paths of hamming_topk,
-topk_from_scores, sparse_attention with one and with several splits, HF and paged layouts,
+topk_from_scores, sparse_attention with one and with several splits (merged in a cluster and
+through the counters), HF and paged layouts,
 with counts and without. Results are compared with the
 CPU kernels so the run also fails on wrong answers. Prints OK at the end.
 """
@@ -65,26 +66,34 @@ def main():
     expected = ha.topk_from_scores(scores, sink_tokens=3, local_tokens=3, budget_tokens=100)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected)), "topk_from_scores"
 
-    for dtype, head_dim, width in ((torch.bfloat16, 128, 40), (torch.float16, 64, 3000), (torch.float32, 256, 300)):
-        q = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
-        k = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
-        v = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
-        for hs in (8, 2):
-            indices = torch.randint(-1, 4000, (2, hs, 2, width), generator=g, dtype=torch.int32)
-            counts = torch.randint(0, width + 1, (2, hs, 2), generator=g, dtype=torch.int32)
-            clean = torch.where(torch.arange(width) < counts[..., None], indices.clamp(min=0), -1).to(torch.int32)
-            out, lse = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), clean.cuda(), counts.cuda(), scale=0.1)
-            ref, ref_lse = ha.sparse_attention(q, k, v, clean, counts, scale=0.1)
-            assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"attention {dtype}"
-            ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), scale=0.1)  # no counts, -1 skipped
-        # paged
-        pages = torch.randperm(64, generator=g)[:2 * 32].view(2, 32).to(torch.int32)
-        kp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
-        vp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
-        indices = torch.randint(0, 512, (2, 2, 2, width), generator=g, dtype=torch.int32)
-        out, _ = ha.sparse_attention(q.cuda(), kp.cuda(), vp.cuda(), indices.cuda(), scale=0.1, block_table=pages.cuda())
-        ref, _ = ha.sparse_attention(q, kp, vp, indices, scale=0.1, block_table=pages)
-        assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"paged {dtype}"
+    # Both merges of the attention's splits: in a thread-block cluster (the default where the splits
+    # fit one) and through the counters (HASHATTENTION_ATTENTION_CLUSTER=0).
+    for cluster in (None, "0"):
+        if cluster is None:
+            os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
+        else:
+            os.environ["HASHATTENTION_ATTENTION_CLUSTER"] = cluster
+        for dtype, head_dim, width in ((torch.bfloat16, 128, 40), (torch.float16, 64, 3000), (torch.float32, 256, 300)):
+            q = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
+            k = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
+            v = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
+            for hs in (8, 2):
+                indices = torch.randint(-1, 4000, (2, hs, 2, width), generator=g, dtype=torch.int32)
+                counts = torch.randint(0, width + 1, (2, hs, 2), generator=g, dtype=torch.int32)
+                clean = torch.where(torch.arange(width) < counts[..., None], indices.clamp(min=0), -1).to(torch.int32)
+                out, lse = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), clean.cuda(), counts.cuda(), scale=0.1)
+                ref, ref_lse = ha.sparse_attention(q, k, v, clean, counts, scale=0.1)
+                assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"attention {dtype}"
+                ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), scale=0.1)  # no counts, -1 skipped
+            # paged
+            pages = torch.randperm(64, generator=g)[:2 * 32].view(2, 32).to(torch.int32)
+            kp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
+            vp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
+            indices = torch.randint(0, 512, (2, 2, 2, width), generator=g, dtype=torch.int32)
+            out, _ = ha.sparse_attention(q.cuda(), kp.cuda(), vp.cuda(), indices.cuda(), scale=0.1, block_table=pages.cuda())
+            ref, _ = ha.sparse_attention(q, kp, vp, indices, scale=0.1, block_table=pages)
+            assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"paged {dtype}"
+    os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
     torch.cuda.synchronize()
     print("OK")
 

@@ -157,15 +157,20 @@ cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and ha.WITH_CUDA),
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("query_heads,kv_heads,group_shared", [(8, 2, False), (8, 2, True), (16, 2, True), (12, 2, True)])
 @pytest.mark.parametrize("blocks_per_sm,min_rows", [(None, None), ("1", "1"), ("16", "1"), ("4", "100000")])
+@pytest.mark.parametrize("cluster", [None, "0", "3"])
 def test_launch_shapes_give_the_reference(monkeypatch, dtype, head_dim, query_heads, kv_heads, group_shared,
-                                          blocks_per_sm, min_rows):
+                                          blocks_per_sm, min_rows, cluster):
     """Every split count and every share of steps per warp (timing aids of csrc/cuda/sparse_attention.cu
     force few large splits, or many of a few rows) computes the same attention: one and several
-    heads per block (plain and pipelined loops), partial steps and tiles, empty and full lists."""
+    heads per block (plain and pipelined loops), partial steps and tiles, empty and full lists, with
+    the splits merged in a thread-block cluster (up to 16, or up to 3 splits) or through the counters
+    (cluster "0")."""
     if blocks_per_sm is not None:
         monkeypatch.setenv("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", blocks_per_sm)
         monkeypatch.setenv("HASHATTENTION_ATTENTION_MIN_ROWS", min_rows)
-    case = ("attn-launch", dtype, head_dim, query_heads, kv_heads, group_shared, blocks_per_sm, min_rows)
+    if cluster is not None:
+        monkeypatch.setenv("HASHATTENTION_ATTENTION_CLUSTER", cluster)
+    case = ("attn-launch", dtype, head_dim, query_heads, kv_heads, group_shared, blocks_per_sm, min_rows, cluster)
     g = generator_for(*case)
     batch, rows, keys, width = 2, 2, 5000, 1531
     selection_heads = kv_heads if group_shared else query_heads
@@ -186,6 +191,7 @@ def test_launch_shapes_give_the_reference(monkeypatch, dtype, head_dim, query_he
     ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "0"),
     ("HASHATTENTION_ATTENTION_MIN_ROWS", "many"),
     ("HASHATTENTION_ATTENTION_PROBE", "3"),
+    ("HASHATTENTION_ATTENTION_CLUSTER", "17"),
 ])
 def test_bad_timing_aid_values_are_named(monkeypatch, variable, value):
     """The attention's timing aids reject what they cannot mean, naming the variable."""

@@ -8,9 +8,14 @@
 // entries at once (one coalesced load), resolve them to row addresses (HF layout with any
 // strides, or paged through the block table), then a row is read by D / 8 lanes with 16-byte
 // loads, several rows in flight per lane. Softmax is online in float32 (base 2, the scale folded
-// into q). Partial results of the splits are merged by log-sum-exp in the same kernel: the last
-// block of a unit to finish (an atomic counter per unit, zeroed by the host op) combines them and
-// writes out and lse.
+// into q). Partial results of the splits are merged by log-sum-exp in the same kernel, in one of
+// two ways. When a unit's splits form one thread-block cluster (sm_90, at most 16 splits; the
+// host picks it when the clusters fit the device at once), each block leaves its partial state in
+// its shared memory and, after a cluster barrier, the first block reads its peers' states through
+// distributed shared memory and writes out and lse: no workspace, no counter to zero (one graph
+// node less) and no round trip through L2. Otherwise the last block of a unit to finish (an
+// atomic counter per unit, zeroed by the host op) combines the states the splits wrote to global
+// memory.
 //
 // Two main loops. One head per block (per-query-head selection): each warp takes 32-entry tiles
 // in turn and loads a step's rows right before it consumes them; five resident blocks per
@@ -24,6 +29,7 @@
 // registers, four resident blocks) and is not used there.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -42,6 +48,7 @@ constexpr int kAttentionWarps = kAttentionThreads / 32;
 // Splits of one list: the merge keeps one weight per (split, head) in the warp-state buffer,
 // which holds kAttentionWarps * (D + 2) floats per head, at least 4 * 66 = 264.
 constexpr int kMaxSplits = 256;
+constexpr int kMaxClusterSplits = 16;  // the largest (non-portable) cluster of sm_90
 constexpr int kMinRowsPerSplit = 128;           // plain loop: at least one 32-entry tile per warp
 constexpr int kMinRowsPerSplitPipelined = 32;  // pipelined loop: steps are dealt to the warps in turn
 
@@ -71,7 +78,8 @@ struct AttentionParams {
   int vector_loads;  // 1 when every K/V row start is 16-byte aligned
   float* partial_acc;      // (units, splits, kMaxHeads, D): unnormalised outputs of each split
   float* partial_max_sum;  // (units, splits, kMaxHeads, 2): running max (base 2) and sum
-  int* counters;           // (units,), zero on entry
+  int* counters;           // (units,), zero on entry; unused when cluster_merge
+  int cluster_merge;       // 1: the splits of a unit are one cluster (grid.y == cluster size == splits)
   int probe_stop;          // timing aid (scripts/probe_attention.py): 1 after the prologue, 2 after the main loop
 };
 
@@ -145,6 +153,92 @@ __device__ __forceinline__ float safe_exp2_diff(float a, float b) {  // exp2(a -
   return a == -INFINITY ? 0.0f : exp2f(a - b);
 }
 
+// The cluster merge: every split of the unit (one block each, the whole cluster) has left its
+// state in `state` (per head: D unnormalised output columns, then the running max in base 2 and
+// the sum, in a row of D + 4 floats). After a cluster barrier the first block combines them by
+// log-sum-exp, reading its peers' shared memory, and writes out and lse of the unit's `heads`
+// heads, whose first output row is `first_row` (rows of consecutive heads are `head_rows` apart).
+// Every remote read of a round is independent of the others, so each round costs one
+// distributed-shared-memory latency: the (max, sum) pairs, one per thread, then each thread's
+// column quads over all splits (a first version read them split after split, a dependent chain,
+// and merged slower than the counters' path through L2). `scratch` is the first block's own
+// shared memory, free by then (at least 34 floats per head). The second barrier keeps every block,
+// and so its shared memory, alive until the first block has read it.
+template <typename T, int D, int kMaxHeads>
+__device__ __forceinline__ void merge_cluster_splits(float (&state)[kMaxHeads][D + 4], float* scratch, int splits,
+                                                     int heads, T* out, int64_t first_row, int64_t head_rows,
+                                                     float* lse) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // release / acquire: the peers' states are visible
+  if (cluster.block_rank() == 0) {
+    float* own = &state[0][0];
+    float* split_max = scratch;                                // [kMaxClusterSplits][kMaxHeads]
+    float* split_sum = split_max + kMaxClusterSplits * kMaxHeads;  // then the weights, in place
+    float* head_sum = split_sum + kMaxClusterSplits * kMaxHeads;   // [kMaxHeads]
+    float* head_max = head_sum + kMaxHeads;
+    for (int i = threadIdx.x; i < splits * heads; i += kAttentionThreads) {
+      const int sp = i / heads, h = i % heads;
+      const float* peer = cluster.map_shared_rank(own, sp) + h * (D + 4);
+      split_max[sp * kMaxHeads + h] = peer[D];
+      split_sum[sp * kMaxHeads + h] = peer[D + 1];
+    }
+    __syncthreads();
+    if (threadIdx.x < heads) {
+      const int h = threadIdx.x;
+      float m = -INFINITY;
+      for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, split_max[sp * kMaxHeads + h]);
+      float sum = 0.0f;
+      for (int sp = 0; sp < splits; ++sp) {
+        const float weight = m == -INFINITY ? 0.0f : safe_exp2_diff(split_max[sp * kMaxHeads + h], m);
+        sum = fmaf(split_sum[sp * kMaxHeads + h], weight, sum);
+        split_sum[sp * kMaxHeads + h] = weight;
+      }
+      head_sum[h] = sum;
+      head_max[h] = m;
+    }
+    __syncthreads();
+    const float* weights = split_sum;
+    for (int i = threadIdx.x; i < heads * (D / 4); i += kAttentionThreads) {
+      const int h = i / (D / 4), d4 = i % (D / 4);
+      float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int first = 0; first < kMaxClusterSplits; first += 8) {  // 8 loads in flight, then their sums
+        if (first >= splits) break;
+        float4 a[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int sp = first + k;
+          a[k] = sp < splits ? *reinterpret_cast<const float4*>(cluster.map_shared_rank(own, sp) + h * (D + 4) + d4 * 4)
+                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float weight = first + k < splits ? weights[(first + k) * kMaxHeads + h] : 0.0f;
+          total.x = fmaf(a[k].x, weight, total.x);
+          total.y = fmaf(a[k].y, weight, total.y);
+          total.z = fmaf(a[k].z, weight, total.z);
+          total.w = fmaf(a[k].w, weight, total.w);
+        }
+      }
+      const float sum = head_sum[h];
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int64_t row = first_row + h * head_rows;
+      T* o = out + row * D + d4 * 4;
+      o[0] = static_cast<T>(total.x * inv);
+      o[1] = static_cast<T>(total.y * inv);
+      o[2] = static_cast<T>(total.z * inv);
+      o[3] = static_cast<T>(total.w * inv);
+      if (d4 == 0) lse[row] = sum > 0.0f ? (head_max[h] + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+    }
+  }
+  cluster.sync();
+#else
+  __trap();  // the host launches clusters on sm_90 and later only
+#endif
+}
+
 // Resident blocks per multiprocessor the compiler must allow (__launch_bounds__): one head per
 // block needs 5 (at most 96 registers: at 100 the H200 held 4 blocks, and the B = 4 / 128K
 // per-head attention ran 12% slower); several heads with 2-byte K/V in the pipelined loop 3 (168
@@ -165,6 +259,9 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
   constexpr int kRowsPerStep = kRowsPerPass * kUnroll;  // divides 32
   static_assert(32 % kRowsPerStep == 0, "a step must divide a 32-entry tile");
   __shared__ float warp_state[kAttentionWarps][kMaxHeads][D + 2];
+  // Cluster merge: this split's state per head (acc, then max and sum); rows of D + 4 floats keep
+  // every head's columns 16-byte aligned for the merge's float4 reads.
+  __shared__ alignas(16) float split_state[kMaxHeads][D + 4];
   __shared__ int is_last_block;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -417,6 +514,13 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
       } else {
         p.lse[out_row] = sum > 0.0f ? (block_max + log2f(sum)) * 0.69314718055994531f : -INFINITY;
       }
+    } else if (p.cluster_merge) {
+      if (d < D) {
+        split_state[h][d] = total;
+      } else {
+        split_state[h][D] = block_max;
+        split_state[h][D + 1] = sum;
+      }
     } else if (d < D) {
       p.partial_acc[(unit_split * kMaxHeads + h) * D + d] = total;
     } else {
@@ -425,6 +529,11 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     }
   }
   if (p.splits == 1) return;
+  if (p.cluster_merge) {
+    merge_cluster_splits<T, D, kMaxHeads>(split_state, &warp_state[0][0][0], p.splits, heads, out,
+                                          (b * p.query_heads + first_head) * p.rows + l, p.rows, p.lse);
+    return;
+  }
 
   // The last split of the unit to finish merges all partial states: first the weight of each
   // (split, head) in shared memory, then each thread sums 4 columns over the splits with
