@@ -90,7 +90,8 @@ def main():
             kp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
             vp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)
             indices = torch.randint(0, 512, (2, 2, 2, width), generator=g, dtype=torch.int32)
-            out, _ = ha.sparse_attention(q.cuda(), kp.cuda(), vp.cuda(), indices.cuda(), scale=0.1, block_table=pages.cuda())
+            out, _ = ha.sparse_attention(q.cuda(), kp.cuda(), vp.cuda(), indices.cuda(), scale=0.1,
+                                         block_table=pages.cuda())
             ref, _ = ha.sparse_attention(q, kp, vp, indices, scale=0.1, block_table=pages)
             assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"paged {dtype}"
     os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)

@@ -14,8 +14,8 @@ merge, never a cluster):
 
     python scripts/probe_attention.py --batches 1 --ns 32768 131072 --shapes default default/c0
 
-Each shape's output is compared with the first shape's, so a launch shape that changes the result is reported. Inputs rotate over
---layers buffers so that K/V come from DRAM.
+Each shape's output is compared with the first shape's, so a launch shape that changes the result
+is reported. Inputs rotate over --layers buffers so that K/V come from DRAM.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 //
 // CUDA-graph safety: the workspace (partial states and per-unit counters, only when the splits
 // of a unit are not one thread-block cluster) is sized from the shapes alone, the counters are
-// zeroed by a memset on the stream, and no value is read on the host. Values the CPU kernel would reject are handled on the device instead: counts are
-// clamped to [0, width], and entries outside [0, keys) -- or whose block-table page is outside
-// [0, num_pages) -- are skipped like padding.
+// zeroed by a memset on the stream, and no value is read on the host. Values the CPU kernel
+// would reject are handled on the device instead: counts are clamped to [0, width], and entries
+// outside [0, keys) -- or whose block-table page is outside [0, num_pages) -- are skipped like
+// padding.
 #include <torch/library.h>
 
 #include <algorithm>
