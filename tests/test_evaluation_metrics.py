@@ -110,9 +110,10 @@ def test_markdown_table_rows():
              "delta_nll": 0.125, "task_average": 0.0, "tasks": {"vt": 0.0}},
         ],
     }
+    results["rows"][1].update(task_average_se=2.25, task_delta=-50.0, task_delta_se=12.5)
     text = report.markdown(results)
-    assert "| full | 0 | dense | 1.000 | 1.000 | +0.000 | 50.0 |" in text
-    assert "| lsh-32 | 96 | 16x | 0.500 | 0.250 | +0.125 | 0.0 |" in text
+    assert "| full | 0 | dense | 1.000 | 1.000 | +0.000 | 50.0 | – | – | – |" in text
+    assert "| lsh-32 | 96 | 16x | 0.500 | 0.250 | +0.125 | 0.0 | 2.2 | -50.0 | 12.5 |" in text
     assert "| lsh-32 | 16x | 0.0 |" in text
     assert "`hashattention` not evaluated: no trained adapters" in text
 
@@ -134,3 +135,25 @@ def test_needle_recorder_weighs_kept_attention_by_dense_probability():
     expected = float(p[0, 1] / (p[0, 1] + p[0, 2] + p[1, 1] + p[1, 2]))
     assert recorder.needle_kept() == pytest.approx(expected, rel=1e-5)
     assert metrics.NeedleRecorder(0, 0, 2, []).needle_kept() is None
+
+
+def test_task_average_and_its_standard_error_by_hand():
+    # Task means 50 and 50; sample variances 5000 (n = 2) and 0 (n = 3): SE = sqrt(5000 / 2 + 0) / 2 = 25.
+    average, se = metrics.task_average_with_error({"a": [0.0, 100.0], "b": [50.0, 50.0, 50.0]})
+    assert average == pytest.approx(50.0) and se == pytest.approx(25.0)
+    assert metrics.task_average_with_error({"a": [100.0], "b": [0.0, 50.0]}) == (pytest.approx(62.5), None)
+    assert metrics.task_average_with_error({}) == (None, None)
+    assert metrics.task_average_with_error({"a": [], "b": [1.0, 2.0]}) == (None, None)
+
+
+def test_paired_task_difference_uses_the_common_samples():
+    scores = {"a": {0: 100.0, 1: 0.0, 2: 100.0}, "b": {0: 50.0, 1: 50.0}}
+    reference = {"a": {0: 100.0, 1: 100.0, 3: 0.0}, "b": {0: 0.0, 1: 100.0}}
+    # a: samples 0 and 1 -> differences 0, -100 (mean -50, variance 5000); b: 50, -50 (mean 0, variance 5000).
+    delta, se = metrics.paired_task_difference(scores, reference)
+    assert delta == pytest.approx(-25.0)
+    assert se == pytest.approx(math.sqrt(5000 / 2 + 5000 / 2) / 2)
+    assert metrics.paired_task_difference({"a": {5: 1.0}}, reference) == (None, None)  # nothing in common
+    same, zero = metrics.paired_task_difference(reference, reference)
+    assert same == 0.0 and zero == 0.0
+

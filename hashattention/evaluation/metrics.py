@@ -16,7 +16,8 @@ Both are per query head; a group-shared selection counts for each head of its gr
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -176,3 +177,42 @@ def string_match_part(prediction: str, references: Sequence[str]) -> float:
         raise ValueError("references must not be empty")
     text = _normalise(prediction)
     return float(any(_normalise(r) in text for r in references))
+
+
+def task_average_with_error(scores: Mapping[str, Sequence[float]]) -> Tuple[Optional[float], Optional[float]]:
+    """The mean over tasks of each task's mean score, and its standard error.
+
+    ``scores`` maps each task to its per-sample scores. The tasks' sample means are independent,
+    so the variance of their average is ``sum_t s_t^2 / n_t / T^2``, with ``s_t^2`` the sample
+    variance (denominator ``n_t - 1``) of task ``t``'s ``n_t`` scores. The average is None when
+    there is no task or a task has no score; the error is None when a task has fewer than two.
+    """
+    if not scores or any(len(values) == 0 for values in scores.values()):
+        return None, None
+    tasks = len(scores)
+    average = sum(sum(values) / len(values) for values in scores.values()) / tasks
+    if any(len(values) < 2 for values in scores.values()):
+        return average, None
+    variance = 0.0
+    for values in scores.values():
+        mean = sum(values) / len(values)
+        variance += sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)
+    return average, math.sqrt(variance) / tasks
+
+
+def paired_task_difference(scores: Mapping[str, Mapping[int, float]],
+                           reference: Mapping[str, Mapping[int, float]]) -> Tuple[Optional[float], Optional[float]]:
+    """Task average of ``scores`` minus that of ``reference``, and its standard error, over the
+    samples both have (task -> sample index -> score).
+
+    Both were scored on the same prompts, so the error comes from the per-sample differences:
+    what makes a prompt hard for both cancels, and the error is the one that matters when asking
+    whether a selector is within a point of the dense model. None, None when a task of ``scores``
+    has no sample in common with ``reference``.
+    """
+    differences = {}
+    for task, values in scores.items():
+        other = reference.get(task, {})
+        differences[task] = [values[i] - other[i] for i in sorted(values) if i in other]
+    return task_average_with_error(differences)
+

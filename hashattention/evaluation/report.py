@@ -7,7 +7,9 @@ Numbers per (context, selector, sparsity), averaged over samples:
 * ``nll``: mean next-token NLL (nats) of the sparse-decoded tokens; ``delta_nll``: minus the
   full model's on the same tokens;
 * ``tasks``: per task, RULER ``string_match_all`` x 100 averaged over samples; ``task_average``:
-  their mean over tasks.
+  their mean over tasks, ``task_average_se`` its standard error over the samples;
+  ``task_delta`` / ``task_delta_se``: the task average minus the full model's, over the samples
+  both have, and its standard error from the per-sample differences (the same prompts).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from .metrics import mean_ignoring_none
+from .metrics import mean_ignoring_none, paired_task_difference, task_average_with_error
 
 
 def _mean(values: List[float]) -> Optional[float]:
@@ -37,6 +39,15 @@ def aggregate(evaluation) -> Dict[str, Any]:
               for name, selector in evaluation.selectors.items()}
     rows = []
     dense_names = [name for name, selector in evaluation.selectors.items() if selector.dense]
+    def task_scores(context, name, sparsity) -> Dict[str, Dict[int, float]]:  # task -> sample -> score x 100
+        scores: Dict[str, Dict[int, float]] = {}
+        for task in cfg.tasks:
+            for index in range(cfg.task_samples):
+                record = evaluation.store.get(evaluation.key("task", context, index, name, sparsity, task))
+                if record is not None:
+                    scores.setdefault(task, {})[index] = 100.0 * record["score"]
+        return scores
+
     for context in cfg.contexts:
         dense_nll = {}
         for name in dense_names[:1]:
@@ -44,6 +55,7 @@ def aggregate(evaluation) -> Dict[str, Any]:
                 record = evaluation.store.get(evaluation.key("nll", context, index, name, None))
                 if record is not None:
                     dense_nll[index] = record["nll_sum"] / record["tokens"]
+        dense_tasks = task_scores(context, dense_names[0], None) if dense_names else {}
         for name, sparsities in levels.items():
             for sparsity in sparsities:
                 nll_records = [evaluation.store.get(evaluation.key("nll", context, index, name, sparsity))
@@ -62,6 +74,11 @@ def aggregate(evaluation) -> Dict[str, Any]:
                     scores = [100.0 * r["score"] for r in task_records if r["task"] == task]
                     if scores:
                         per_task[task] = _mean(scores)
+                by_sample = task_scores(context, name, sparsity)
+                complete = len(by_sample) == len(cfg.tasks)
+                _, task_se = task_average_with_error({t: list(v.values()) for t, v in by_sample.items()})
+                task_delta, task_delta_se = (paired_task_difference(by_sample, dense_tasks) if complete
+                                             else (None, None))
                 rows.append({
                     "context": context,
                     "selector": name,
@@ -75,6 +92,9 @@ def aggregate(evaluation) -> Dict[str, Any]:
                     "nll_samples": len(nll_records),
                     "tasks": per_task,
                     "task_average": _mean(list(per_task.values())) if len(per_task) == len(cfg.tasks) else None,
+                    "task_average_se": task_se if complete else None,
+                    "task_delta": task_delta,
+                    "task_delta_se": task_delta_se,
                     "task_samples": len(task_records),
                 })
     selectors = {
@@ -120,14 +140,16 @@ def markdown(results: Dict[str, Any]) -> str:
         if not rows:
             continue
         lines += [f"### Context {context} tokens", "",
-                  "| selector | aux bits/token/layer | sparsity | recall@{k} | attention mass | ΔNLL (nats) | task avg |".format(
-                      k=cfg["top_k"]),
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| selector | aux bits/token/layer | sparsity | recall@{k} | attention mass | ΔNLL (nats) | task avg "
+                  "| ± SE | Δ task vs dense | ± SE (paired) |".format(k=cfg["top_k"]),
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             aux = selectors.get(r["selector"], {}).get("aux_bits_per_token")
             aux_text = "–" if aux is None else f"{aux:g}"
             lines.append(f"| {r['selector']} | {aux_text} | {_level(r['sparsity'])} | {_fmt(r['recall'])} | "
-                         f"{_fmt(r['mass'])} | {_fmt(r['delta_nll'], signed=True)} | {_fmt(r['task_average'], 1)} |")
+                         f"{_fmt(r['mass'])} | {_fmt(r['delta_nll'], signed=True)} | {_fmt(r['task_average'], 1)} | "
+                         f"{_fmt(r.get('task_average_se'), 1)} | {_fmt(r.get('task_delta'), 1, signed=True)} | "
+                         f"{_fmt(r.get('task_delta_se'), 1)} |")
         lines.append("")
         task_names = [t for t in cfg["tasks"] if any(t in r["tasks"] for r in rows)]
         if task_names:
