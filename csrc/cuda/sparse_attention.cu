@@ -72,6 +72,27 @@ int64_t resident_blocks_per_sm(AttentionKernel kernel) {
   return it->second;
 }
 
+// A launch of `grid` whose clusters are (1, splits): a unit's splits, as the cluster merge needs.
+// Not copyable: the configuration points at its own attribute.
+struct SplitClusterLaunch {
+  cudaLaunchAttribute attribute{};
+  cudaLaunchConfig_t config{};
+
+  SplitClusterLaunch(dim3 grid, int64_t splits, cudaStream_t stream) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = 1;
+    attribute.val.clusterDim.y = static_cast<unsigned>(splits);
+    attribute.val.clusterDim.z = 1;
+    config.gridDim = grid;
+    config.blockDim = dim3(kAttentionThreads);
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  SplitClusterLaunch(const SplitClusterLaunch&) = delete;
+  SplitClusterLaunch& operator=(const SplitClusterLaunch&) = delete;
+};
+
 // Clusters of `size` blocks of `kernel` that the device holds at once (0 where clusters of that
 // size cannot run: before sm_90, or a kernel built for an older architecture), asked from the
 // driver once per (device, kernel, size).
@@ -92,17 +113,8 @@ int64_t resident_clusters(AttentionKernel kernel, int size) {
       if (size > 8) {  // beyond the portable cluster size: opt in
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       }
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(1, static_cast<unsigned>(size));
-      config.blockDim = dim3(kAttentionThreads);
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = 1;
-      attribute.val.clusterDim.y = static_cast<unsigned>(size);
-      attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+      const SplitClusterLaunch launch(dim3(1, static_cast<unsigned>(size)), size, nullptr);
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess) {
         (void)cudaGetLastError();  // not launchable as such a cluster: use the counters
         clusters = 0;
       }
@@ -251,19 +263,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
   void* args[] = {&p};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (cluster_merge) {  // clusters of (1, splits): a unit's splits
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = dim3(kAttentionThreads);
-    config.stream = stream;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 1;
-    attribute.val.clusterDim.y = static_cast<unsigned>(splits);
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args));
+  if (cluster_merge) {
+    const SplitClusterLaunch launch(grid, splits, stream);
+    C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));
   } else {
     C10_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kAttentionThreads), args, 0,
                                     stream));
