@@ -39,6 +39,7 @@ def aggregate(evaluation) -> Dict[str, Any]:
               for name, selector in evaluation.selectors.items()}
     rows = []
     dense_names = [name for name, selector in evaluation.selectors.items() if selector.dense]
+
     def task_scores(context, name, sparsity) -> Dict[str, Dict[int, float]]:  # task -> sample -> score x 100
         scores: Dict[str, Dict[int, float]] = {}
         for task in cfg.tasks:
@@ -61,22 +62,16 @@ def aggregate(evaluation) -> Dict[str, Any]:
                 nll_records = [evaluation.store.get(evaluation.key("nll", context, index, name, sparsity))
                                for index in range(cfg.nll_samples)]
                 nll_records = [r for r in nll_records if r is not None]
-                task_records = [evaluation.store.get(evaluation.key("task", context, index, name, sparsity, task))
-                                for task in cfg.tasks for index in range(cfg.task_samples)]
-                task_records = [r for r in task_records if r is not None]
                 recall_layers = _layer_mean([r["recall_per_layer"] for r in nll_records])
                 mass_layers = _layer_mean([r["mass_per_layer"] for r in nll_records])
                 nll = _mean([r["nll_sum"] / r["tokens"] for r in nll_records])
                 deltas = [r["nll_sum"] / r["tokens"] - dense_nll[r["sample"]] for r in nll_records
                           if r["sample"] in dense_nll]
-                per_task = {}
-                for task in cfg.tasks:
-                    scores = [100.0 * r["score"] for r in task_records if r["task"] == task]
-                    if scores:
-                        per_task[task] = _mean(scores)
                 by_sample = task_scores(context, name, sparsity)
+                per_task = {task: _mean(list(values.values())) for task, values in by_sample.items()}
                 complete = len(by_sample) == len(cfg.tasks)
-                _, task_se = task_average_with_error({t: list(v.values()) for t, v in by_sample.items()})
+                task_average, task_se = (task_average_with_error({t: list(v.values()) for t, v in by_sample.items()})
+                                         if complete else (None, None))
                 task_delta, task_delta_se = (paired_task_difference(by_sample, dense_tasks) if complete
                                              else (None, None))
                 rows.append({
@@ -91,11 +86,11 @@ def aggregate(evaluation) -> Dict[str, Any]:
                     "delta_nll": _mean(deltas),
                     "nll_samples": len(nll_records),
                     "tasks": per_task,
-                    "task_average": _mean(list(per_task.values())) if len(per_task) == len(cfg.tasks) else None,
-                    "task_average_se": task_se if complete else None,
+                    "task_average": task_average,
+                    "task_average_se": task_se,
                     "task_delta": task_delta,
                     "task_delta_se": task_delta_se,
-                    "task_samples": len(task_records),
+                    "task_samples": sum(len(values) for values in by_sample.values()),
                 })
     selectors = {
         name: {"aux_bits_per_token": selector.aux_bits_per_token(evaluation.shape), "available": True,
