@@ -20,6 +20,7 @@
 #include <optional>
 
 #include "int_math.cuh"
+#include "programmatic_launch.cuh"
 #include "selection_window.h"
 
 namespace hashattention {

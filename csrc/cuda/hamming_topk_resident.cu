@@ -347,6 +347,9 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
 
   if (probe_stop == kProbeAfterScoring) return;
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)
+  // The attention after this kernel (launched programmatically) may now be scheduled: its blocks
+  // take the multiprocessors as this grid's blocks leave, and wait for all of its writes.
+  allow_dependent_launch();
   if (probe_stop == kProbeAfterBarrier) return;
 
   // ---- phase 2: threshold, then ordered compaction from shared memory ----

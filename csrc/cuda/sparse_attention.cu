@@ -4,7 +4,9 @@
 //
 // CUDA-graph safety: the workspace (partial states and per-unit counters, only when the splits
 // of a unit are not one thread-block cluster) is sized from the shapes alone, the counters are
-// zeroed by a memset on the stream, and no value is read on the host. Values the CPU kernel
+// zeroed by a memset on the stream, and no value is read on the host. The kernel waits for the
+// grids before it (wait_for_prerequisite_grids) before its first read, so it may be launched
+// programmatically after the selection. Values the CPU kernel
 // would reject are handled on the device instead: counts are clamped to [0, width], and entries
 // outside [0, keys) -- or whose block-table page is outside [0, num_pages) -- are skipped like
 // padding.
@@ -72,25 +74,37 @@ int64_t resident_blocks_per_sm(AttentionKernel kernel) {
   return it->second;
 }
 
-// A launch of `grid` whose clusters are (1, splits): a unit's splits, as the cluster merge needs.
-// Not copyable: the configuration points at its own attribute.
-struct SplitClusterLaunch {
-  cudaLaunchAttribute attribute{};
+// The launch configuration of the attention kernel: clusters of (1, splits) -- a unit's splits, as
+// the cluster merge needs -- where `cluster_splits` > 0, and programmatic stream serialization
+// where `programmatic` (the kernel may start while the selection before it finishes: its blocks
+// are placed and run up to their wait while the selection's last blocks write. H200, B = 1, 32x,
+// select + attend per query head: 42.3 -> 40.9 us at 128K, 21.3 -> 20.0-20.5 at 32K, level at
+// 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md). Not copyable: the configuration points at its
+// own attributes.
+struct AttentionLaunch {
+  cudaLaunchAttribute attributes[2]{};
   cudaLaunchConfig_t config{};
 
-  SplitClusterLaunch(dim3 grid, int64_t splits, cudaStream_t stream) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 1;
-    attribute.val.clusterDim.y = static_cast<unsigned>(splits);
-    attribute.val.clusterDim.z = 1;
+  AttentionLaunch(dim3 grid, int64_t cluster_splits, bool programmatic, cudaStream_t stream) {
     config.gridDim = grid;
     config.blockDim = dim3(kAttentionThreads);
     config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    config.attrs = attributes;
+    if (cluster_splits > 0) {
+      cudaLaunchAttribute& cluster = attributes[config.numAttrs++];
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 1;
+      cluster.val.clusterDim.y = static_cast<unsigned>(cluster_splits);
+      cluster.val.clusterDim.z = 1;
+    }
+    if (programmatic) {
+      cudaLaunchAttribute& serialization = attributes[config.numAttrs++];
+      serialization.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      serialization.val.programmaticStreamSerializationAllowed = 1;
+    }
   }
-  SplitClusterLaunch(const SplitClusterLaunch&) = delete;
-  SplitClusterLaunch& operator=(const SplitClusterLaunch&) = delete;
+  AttentionLaunch(const AttentionLaunch&) = delete;
+  AttentionLaunch& operator=(const AttentionLaunch&) = delete;
 };
 
 // Clusters of `size` blocks of `kernel` that the device holds at once (0 where clusters of that
@@ -113,7 +127,7 @@ int64_t resident_clusters(AttentionKernel kernel, int size) {
       if (size > 8) {  // beyond the portable cluster size: opt in
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       }
-      const SplitClusterLaunch launch(dim3(1, static_cast<unsigned>(size)), size, nullptr);
+      const AttentionLaunch launch(dim3(1, static_cast<unsigned>(size)), size, false, nullptr);
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess) {
         (void)cudaGetLastError();  // not launchable as such a cluster: use the counters
         clusters = 0;
@@ -263,13 +277,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
   void* args[] = {&p};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (cluster_merge) {
-    const SplitClusterLaunch launch(grid, splits, stream);
-    C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));
-  } else {
-    C10_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kAttentionThreads), args, 0,
-                                    stream));
-  }
+  // Programmatic launch only where no counters' memset sits between the selection and this kernel
+  // (programmatic edges join two kernels; the memset must stay ordered before every block).
+  const bool programmatic = !counters.defined() && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel));
+  const AttentionLaunch launch(grid, cluster_merge ? splits : 0, programmatic, stream);
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }

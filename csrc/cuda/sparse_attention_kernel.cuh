@@ -39,6 +39,7 @@
 #include <c10/util/Half.h>
 
 #include "int_math.cuh"
+#include "programmatic_launch.cuh"
 
 namespace hashattention {
 namespace cuda {
@@ -279,6 +280,9 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
   const int heads = min(kMaxHeads, p.unit_heads - sub * kMaxHeads);
   const int s = first_head / p.heads_per_selection, kv = first_head / p.heads_per_kv;
 
+  // Launched programmatically, this block may run before the selection has finished: nothing
+  // global (counts, indices, even the query) is read before the grids ahead are done.
+  wait_for_prerequisite_grids();
   int64_t count = p.width;
   if (p.counts != nullptr) {
     count = p.counts[b * p.c_s0 + s * p.c_s1 + l * p.c_s2];

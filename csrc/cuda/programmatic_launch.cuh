@@ -1,0 +1,34 @@
+// Programmatic dependent launch (sm_90): device side, and the host's check of which kernels may
+// use it (programmatic_launch.cu).
+#pragma once
+
+namespace hashattention {
+namespace cuda {
+
+// A kernel launched with the programmatic stream serialization attribute may start while the
+// kernel before it on the stream is still running: it must call wait_for_prerequisite_grids() before its first global-memory read (it returns once
+// the earlier grids have finished and their writes are visible; without the attribute it returns
+// at once). A kernel that calls allow_dependent_launch() lets such a successor be scheduled
+// before it exits -- the successor still waits for all of its writes. Both compile to nothing
+// before sm_90, and the host sets the attribute only for kernels built for sm_90 or later
+// (programmatic_launch_allowed), since an older build has no wait in it.
+__device__ __forceinline__ void wait_for_prerequisite_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether `kernel` may be launched with programmatic stream serialization: the device is sm_90 or
+// later and the kernel's code was compiled for sm_90 or later (so it holds the wait), and the
+// timing aid HASHATTENTION_PROGRAMMATIC_LAUNCH (0: never, for A/B measurements) does not turn it
+// off. Asked from the driver once per (device, kernel).
+bool programmatic_launch_allowed(const void* kernel);
+
+}  // namespace cuda
+}  // namespace hashattention

@@ -1,0 +1,80 @@
+"""The attention launched programmatically after the selection (sm_90) reads this step's indices.
+
+`sparse_attention` may start while the selection before it is still writing (programmatic dependent
+launch, csrc/cuda/programmatic_launch.cuh): its blocks must wait for that grid before their first
+read. A missing or misplaced wait shows as attention over the previous step's indices, or over a
+half-written list. Each step here draws new signatures, so consecutive selections differ, and the
+attention is checked against the float64 reference over the indices the step itself selected.
+Skipped without a GPU.
+"""
+
+import pytest
+import torch
+
+import hashattention as ha
+from hashattention import reference
+from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
+)
+
+
+def check_step(indices, counts, out, lse, query, key_cache, value_cache, q_sig, k_sig, selection, what):
+    """The step's selection equals the reference's, and its attention is attention over it."""
+    expected_indices, expected_counts = selection(q_sig.cpu(), k_sig.cpu(), reference.hamming_topk)
+    assert torch.equal(indices.cpu(), expected_indices.to(indices.dtype)), f"{what}: indices"
+    assert torch.equal(counts.cpu(), expected_counts.to(counts.dtype)), f"{what}: counts"
+    ref_out, ref_lse = reference.sparse_attention(query.cpu(), key_cache.cpu(), value_cache.cpu(), indices.cpu(),
+                                                  counts.cpu(), scale=query.shape[-1] ** -0.5)
+    assert_close_verbose(out, ref_out, what=f"{what} out", **ATTENTION_TOLERANCE[query.dtype])
+    assert_close_verbose(lse, ref_lse, what=f"{what} lse", atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("programmatic", ["1", "0"])
+@pytest.mark.parametrize("query_heads,group_shared,keys", [(32, False, 40000), (8, False, 3000), (32, True, 40000)])
+@pytest.mark.parametrize("captured", [False, True])
+def test_attention_after_selection_reads_this_steps_indices(monkeypatch, programmatic, query_heads, group_shared,
+                                                             keys, captured):
+    """Eager and graph-replayed steps (B = 1, the splits merged in a cluster at these sizes), with the
+    programmatic launch on and off (HASHATTENTION_PROGRAMMATIC_LAUNCH, a timing aid)."""
+    monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", programmatic)
+    kv_heads, head_dim, dtype, steps = 8 if query_heads == 32 else 2, 128, torch.bfloat16, 6
+    selection_heads = kv_heads if group_shared else query_heads
+    g = generator_for("programmatic", programmatic, query_heads, group_shared, keys, captured)
+    q_sig = torch.empty(1, query_heads, 1, 1, dtype=torch.int32, device="cuda")
+    k_sig = torch.empty(1, kv_heads if group_shared else query_heads, keys, 1, dtype=torch.int32, device="cuda")
+    query = torch.randn(1, query_heads, 1, head_dim, generator=g).to(dtype).cuda()
+    key_cache = torch.randn(1, kv_heads, keys, head_dim, generator=g).to(dtype).cuda()
+    value_cache = torch.randn(1, kv_heads, keys, head_dim, generator=g).to(dtype).cuda()
+    k_sig.copy_(random_signatures(k_sig.shape, g))
+
+    def selection(qs, ks, op=ha.hamming_topk):
+        return op(qs, ks, selection_heads=selection_heads, sink_tokens=64, local_tokens=64,
+                               budget_tokens=keys // 32)
+
+    def step():
+        indices, counts = selection(q_sig, k_sig)
+        out, lse = ha.sparse_attention(query, key_cache, value_cache, indices, counts, scale=head_dim**-0.5)
+        return indices, counts, out, lse
+
+    if captured:
+        graph, outputs = capture_cuda_graph(step)
+    for s in range(steps):
+        q_sig.copy_(random_signatures(q_sig.shape, g))
+        if captured:
+            graph.replay()
+        else:
+            outputs = step()
+        torch.cuda.synchronize()
+        check_step(*outputs, query, key_cache, value_cache, q_sig, k_sig, selection, f"step {s}")
+
+
+def test_bad_programmatic_launch_value_is_named(monkeypatch):
+    """The timing aid accepts 0 or 1 only, and says so."""
+    monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", "yes")
+    q = torch.randn(1, 4, 1, 64, device="cuda")
+    k = torch.randn(1, 4, 300, 64, device="cuda")
+    indices = torch.arange(200, dtype=torch.int32, device="cuda").expand(1, 4, 1, 200).contiguous()
+    with pytest.raises(RuntimeError, match="HASHATTENTION_PROGRAMMATIC_LAUNCH must be 0 or 1"):
+        ha.sparse_attention(q, k, k, indices, scale=0.125)
