@@ -16,6 +16,12 @@ import torch  # noqa: E402
 
 import hashattention  # noqa: E402
 
+# Under pytest-xdist the workers already run side by side: one intra-op thread each. Torch's
+# default (one per core in every worker) puts 14 workers x 16 threads on the GPU machine's 16
+# cores, and the CPU-side references (float64 attention, Python-loop selection) then crawl.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 DEVICES = ["cpu"]
 if torch.cuda.is_available() and hashattention.WITH_CUDA:
     DEVICES.append("cuda")
