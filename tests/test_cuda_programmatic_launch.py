@@ -50,8 +50,7 @@ def test_attention_after_selection_reads_this_steps_indices(monkeypatch, program
     k_sig.copy_(random_signatures(k_sig.shape, g))
 
     def selection(qs, ks, op=ha.hamming_topk):
-        return op(qs, ks, selection_heads=selection_heads, sink_tokens=64, local_tokens=64,
-                               budget_tokens=keys // 32)
+        return op(qs, ks, selection_heads=selection_heads, sink_tokens=64, local_tokens=64, budget_tokens=keys // 32)
 
     def step():
         indices, counts = selection(q_sig, k_sig)

@@ -1,4 +1,4 @@
-// Host side of programmatic dependent launch (see wait_for_prerequisite_grids in cuda_common.cuh):
+// Host side of programmatic dependent launch (see programmatic_launch.cuh):
 // which kernels may be launched with the programmatic stream serialization attribute.
 #include <cstdlib>
 #include <cstring>

@@ -6,9 +6,9 @@ namespace hashattention {
 namespace cuda {
 
 // A kernel launched with the programmatic stream serialization attribute may start while the
-// kernel before it on the stream is still running: it must call wait_for_prerequisite_grids() before its first global-memory read (it returns once
-// the earlier grids have finished and their writes are visible; without the attribute it returns
-// at once). A kernel that calls allow_dependent_launch() lets such a successor be scheduled
+// kernel before it on the stream is still running: it must call wait_for_prerequisite_grids()
+// before its first global-memory read (it returns once the earlier grids have finished and their
+// writes are visible; without the attribute it returns at once). A kernel that calls allow_dependent_launch() lets such a successor be scheduled
 // before it exits -- the successor still waits for all of its writes. Both compile to nothing
 // before sm_90, and the host sets the attribute only for kernels built for sm_90 or later
 // (programmatic_launch_allowed), since an older build has no wait in it.

@@ -6,10 +6,9 @@
 // of a unit are not one thread-block cluster) is sized from the shapes alone, the counters are
 // zeroed by a memset on the stream, and no value is read on the host. The kernel waits for the
 // grids before it (wait_for_prerequisite_grids) before its first read, so it may be launched
-// programmatically after the selection. Values the CPU kernel
-// would reject are handled on the device instead: counts are clamped to [0, width], and entries
-// outside [0, keys) -- or whose block-table page is outside [0, num_pages) -- are skipped like
-// padding.
+// programmatically after the selection. Values the CPU kernel would reject are handled on the
+// device instead: counts are clamped to [0, width], and entries outside [0, keys) -- or whose
+// block-table page is outside [0, num_pages) -- are skipped like padding.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -79,8 +78,8 @@ int64_t resident_blocks_per_sm(AttentionKernel kernel) {
 // where `programmatic` (the kernel may start while the selection before it finishes: its blocks
 // are placed and run up to their wait while the selection's last blocks write. H200, B = 1, 32x,
 // select + attend per query head: 42.3 -> 40.9 us at 128K, 21.3 -> 20.0-20.5 at 32K, level at
-// 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md). Not copyable: the configuration points at its
-// own attributes.
+// 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md). Not copyable: the
+// configuration points at its own attributes.
 struct AttentionLaunch {
   cudaLaunchAttribute attributes[2]{};
   cudaLaunchConfig_t config{};
