@@ -18,9 +18,11 @@
 // Inside a model the weights are not in L2 (the model's own weights stream through it between
 // steps), so each block's staging is DRAM-latency-bound: the paper's 128 -> 128 -> 128 -> 32 MLP
 // (72 KB per head in bf16) staged layer by layer with register round trips took ~13 us per
-// launch (H200, Llama-3.1-8B shape, 64 launches per decode step). Now every layer's weights are
-// requested at once with cp.async (no register round trip, all in flight), the input rows and
-// the biases load while they arrive, and there is one wait.
+// launch (H200, Llama-3.1-8B shape, 64 launches per decode step). Now every layer's weights and
+// biases are requested at once (bulk copies where aligned, else cp.async), the input rows load
+// while they arrive, and there is one wait. After that the time is the warps' instruction chains,
+// so per-layer constants (runs, the divider of a thread's run) come from the host: no thread
+// divides (B = 1: 9.3 -> 7.5 us per pair launch, bench_encode_20261202_s14.md).
 //
 // A decode step encodes its query rows and its new key rows; at batch 1 each launch is ~9.5 us of
 // latency (H200), so encode_signatures_pair runs both problems in ONE launch: the kernel takes two
@@ -39,6 +41,12 @@ namespace hashattention {
 namespace cuda {
 namespace {
 
+// Threads per block. The kernel is a chain of short dependent steps (stage, layer, layer, ...), so
+// its time is the length of one warp's instruction chain, not bytes: Nsight Compute at B = 1 shows
+// IPC ~1 per multiprocessor and ~2,000 instructions per warp (H200). 1024 threads were slower than
+// 256 (bench_encode.py B = 1: 10.1 against 8.5 us per pair launch, both with bulk copies): the
+// per-warp fixed work does not shrink, the partial sums to add grow.
+constexpr int kEncodeThreads = 256;
 constexpr int kRowsPerBlock = 8;            // most rows of one head per block (accumulators per thread)
 constexpr int kMaxLayers = 8;
 constexpr int64_t kMaxWidth = 1024;         // widest layer kept in shared memory
@@ -58,6 +66,11 @@ struct FusedMlpParams {
   int64_t tokens, rows;         // N and B * N
   int layers;
   int widths[kMaxLayers + 1];  // widths[0] = D, widths[i + 1] = out_features of layer i
+  // Per layer, computed on the host so that no thread divides at run time (a 32-bit division is a
+  // chain of ~20 dependent instructions, and this kernel's time is its warps' dependent chains):
+  int slices[kMaxLayers];           // runs of inputs a layer narrower than the block splits into
+  unsigned slice_divider[kMaxLayers];  // ceil(2^20 / out): t / out == (t * slice_divider) >> 20 for t < 1024
+  int full_run[kMaxLayers];         // a run's length when the whole layer is staged (multiple of 4)
   const void* weights[kMaxLayers];  // contiguous (H, in, out)
   const void* biases[kMaxLayers];   // contiguous (H, out)
   int64_t width_stride;              // floats per row in each activation buffer
@@ -102,6 +115,51 @@ __device__ __forceinline__ void copy_async_wait_all() {
 #endif
 }
 
+// Bulk copies (sm_90 TMA): one instruction moves a contiguous block from global to shared memory
+// and counts its bytes on an mbarrier. One thread issues two per layer (weights, bias) where 256
+// threads issued 4,600 16-byte cp.async and the bias loads: fewer instructions ahead of the first
+// layer (bench_encode.py B = 1: 9.3 -> 8.5 us per pair launch, H200).
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void bulk_copy_begin(uint64_t* barrier, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(barrier)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   shared_address(dst)),
+               "l"(src), "r"(bytes), "r"(shared_address(barrier))
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_copy_wait(uint64_t* barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_FOR_BYTES:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      "@!done bra WAIT_FOR_BYTES;\n"
+      "}\n" ::"r"(shared_address(barrier))
+      : "memory");
+#endif
+}
+
+// Whether a block of `count` elements at `src` can go by bulk copy (16-byte address and size).
+template <typename T>
+__device__ __forceinline__ bool bulk_copyable(const T* src, int64_t count) {
+  return reinterpret_cast<uintptr_t>(src) % 16 == 0 && (count * int64_t(sizeof(T))) % 16 == 0;
+}
+
 // Requests `count` elements from global to shared memory with every thread of the block: 16-byte
 // asynchronous copies when both ends allow it (complete after copy_async_wait_all), element
 // loads otherwise (complete on return).
@@ -112,17 +170,17 @@ __device__ __forceinline__ void stage(T* __restrict__ dst, const T* __restrict__
     const int vectors = static_cast<int>(count * sizeof(T) / 16);
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(dst);
-    for (int i = threadIdx.x; i < vectors; i += kThreads) copy_async_16(d + i, s + i);
+    for (int i = threadIdx.x; i < vectors; i += kEncodeThreads) copy_async_16(d + i, s + i);
   } else {
 #pragma unroll 8
-    for (int i = threadIdx.x; i < count; i += kThreads) dst[i] = src[i];
+    for (int i = threadIdx.x; i < count; i += kEncodeThreads) dst[i] = src[i];
   }
 }
 
 // kRows: rows per block, a power of two <= kRowsPerBlock (launch_fused picks it: one at decode,
 // so that a step computes one accumulator per output unit, not eight).
 template <typename x_t, typename w_t, int kRows>
-__global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch launch) {
+__global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlpLaunch launch) {
   // Block-uniform choice of the problem; the grid's rows cover the larger problem, so the other
   // one's surplus row blocks leave at once (before any barrier).
   const bool second = int64_t(blockIdx.x) >= launch.first_heads;
@@ -131,42 +189,90 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
   const int64_t row0 = int64_t(blockIdx.y) * kRows;
   if (row0 >= p.rows) return;
   extern __shared__ float4 shared_raw[];  // 16-byte aligned
-  // Layout: two activation buffers of kRows * width_stride floats, every layer's biases (as
-  // float, width_stride each), the partial sums of a split layer (kThreads * kRows floats), then
-  // the weight staging buffer (every layer, or one tile).
+  __shared__ uint64_t bytes_landed;       // the bulk copies' mbarrier
+  // Layout: two activation buffers of kRows * width_stride floats, the partial sums of a split
+  // layer (kEncodeThreads * kRows floats), every layer's biases in their own dtype (bias_stride
+  // each), then the weight staging buffer (every layer, or one tile). Every part starts 16-byte
+  // aligned (width_stride is a multiple of 4 floats, bias_stride of 8 elements).
   float* in = reinterpret_cast<float*>(shared_raw);
   float* next = in + kRows * p.width_stride;
-  float* biases = next + kRows * p.width_stride;
-  float* partial = biases + p.layers * p.width_stride;  // kThreads * kRows partial sums of split layers
-  w_t* staged = reinterpret_cast<w_t*>(partial + kThreads * kRows);
+  float* partial = next + kRows * p.width_stride;
+  w_t* biases = reinterpret_cast<w_t*>(partial + kEncodeThreads * kRows);
+  const int64_t bias_stride = staged_elements(p.width_stride);
+  w_t* staged = biases + p.layers * bias_stride;
   const int rows = static_cast<int>(min64(kRows, p.rows - row0));
 
   // When every layer's weights fit in the staging buffer together (the paper's MLP: 72 KB in
-  // bf16), they are all requested first, so they arrive while the inputs and biases load;
-  // otherwise per layer, in tiles of input rows.
+  // bf16), they are all requested first, with the biases, so that they arrive while the inputs
+  // load: by bulk copies when every block is 16-byte aligned (one thread issues them, one wait),
+  // else by cp.async. Otherwise the weights go per layer, in tiles of input rows.
   const bool all_staged = p.all_staged;
-  if (all_staged) {
+  bool bulk = all_staged;
+  for (int layer = 0; layer < p.layers && bulk; ++layer) {
+    const int64_t count = int64_t(p.widths[layer]) * p.widths[layer + 1];
+    bulk = bulk_copyable(static_cast<const w_t*>(p.weights[layer]) + h * count, count) &&
+           bulk_copyable(static_cast<const w_t*>(p.biases[layer]) + h * p.widths[layer + 1], p.widths[layer + 1]);
+  }
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+  bulk = false;
+#endif
+  if (bulk) {
+    if (threadIdx.x == 0) {
+      unsigned bytes = 0;
+      for (int layer = 0; layer < p.layers; ++layer) {
+        bytes += static_cast<unsigned>(sizeof(w_t)) * p.widths[layer + 1] * (p.widths[layer] + 1);
+      }
+      bulk_copy_begin(&bytes_landed, bytes);
+      int64_t offset = 0;
+      for (int layer = 0; layer < p.layers; ++layer) {
+        const int fan_in = p.widths[layer], fan_out = p.widths[layer + 1];
+        const int64_t count = int64_t(fan_in) * fan_out;
+        bulk_copy(staged + offset, static_cast<const w_t*>(p.weights[layer]) + h * count,
+                  static_cast<unsigned>(count * sizeof(w_t)), &bytes_landed);
+        bulk_copy(biases + layer * bias_stride, static_cast<const w_t*>(p.biases[layer]) + h * fan_out,
+                  static_cast<unsigned>(fan_out * sizeof(w_t)), &bytes_landed);
+        offset += staged_elements(count);
+      }
+    }
+  } else {
     int64_t offset = 0;
     for (int layer = 0; layer < p.layers; ++layer) {
-      const int count = p.widths[layer] * p.widths[layer + 1];
-      stage(staged + offset, static_cast<const w_t*>(p.weights[layer]) + h * count, count);
+      const int fan_out = p.widths[layer + 1];
+      const int count = p.widths[layer] * fan_out;
+      if (all_staged) stage(staged + offset, static_cast<const w_t*>(p.weights[layer]) + h * count, count);
+      stage(biases + layer * bias_stride, static_cast<const w_t*>(p.biases[layer]) + h * fan_out, fan_out);
       offset += staged_elements(count);
     }
   }
 
+  // The inputs: every load is issued before the first store to shared memory, so that they are
+  // all in flight together (a store between two loads through generic pointers would order
+  // them: one DRAM round trip each). Thread t holds elements t, t + kEncodeThreads, ...
+  constexpr int kInputsPerThread = (kRows * kMaxWidth + kEncodeThreads - 1) / kEncodeThreads;
   const x_t* x = static_cast<const x_t*>(p.x) + (h / p.heads_per_x_head) * p.xs1;
   const int d = p.widths[0];
-  for (int i = threadIdx.x; i < kRows * d; i += kThreads) {
-    const int r = i / d, k = i % d;
-    const int64_t row = row0 + r, b = row / p.tokens, n = row % p.tokens;
-    in[r * p.width_stride + k] = r < rows ? static_cast<float>(x[b * p.xs0 + n * p.xs2 + k * p.xs3]) : 0.0f;
+  x_t inputs[kInputsPerThread];
+#pragma unroll
+  for (int e = 0; e < kInputsPerThread; ++e) {
+    const int i = static_cast<int>(threadIdx.x) + e * kEncodeThreads, r = i / d, k = i % d;
+    if (i < kRows * d && r < rows) {
+      // 32-bit: the fused path takes at most kMaxRows rows.
+      const int row = static_cast<int>(row0) + r, tokens = static_cast<int>(p.tokens);
+      const int b = row / tokens, n = row - b * tokens;
+      inputs[e] = x[b * p.xs0 + n * p.xs2 + k * p.xs3];
+    }
   }
-  for (int layer = 0; layer < p.layers; ++layer) {
-    const int fan_out = p.widths[layer + 1];
-    const w_t* bias = static_cast<const w_t*>(p.biases[layer]) + h * fan_out;
-    for (int j = threadIdx.x; j < fan_out; j += kThreads) biases[layer * p.width_stride + j] = static_cast<float>(bias[j]);
+#pragma unroll
+  for (int e = 0; e < kInputsPerThread; ++e) {
+    const int i = static_cast<int>(threadIdx.x) + e * kEncodeThreads, r = i / d, k = i % d;
+    if (i < kRows * d) in[r * p.width_stride + k] = r < rows ? static_cast<float>(inputs[e]) : 0.0f;
   }
-  if (all_staged) copy_async_wait_all();  // the barrier at the first tile publishes it to the block
+  if (bulk) {
+    __syncthreads();  // the mbarrier is initialised before anyone waits on it
+    bulk_copy_wait(&bytes_landed);
+  } else {
+    copy_async_wait_all();  // the barrier at the first tile publishes it to the block
+  }
 
   const int lane = threadIdx.x & 31;
   int64_t layer_offset = 0;  // where this layer's weights start in `staged` when all_staged
@@ -177,18 +283,18 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
     // Tiles start at multiples of 4 input rows, so the float4 reads of the activations stay aligned.
     const int tile_rows = all_staged ? fan_in : max(4, static_cast<int>(kStageBytes / (sizeof(w_t) * fan_out)) / 4 * 4);
     // A layer narrower than the block splits its inputs into `slices` runs, one per group of
-    // fan_out threads (the 128-wide layers: 2 runs of 64 inputs, the 32-bit output layer: 8 runs
-    // of 16), so every thread works and the dependent chain of fmas is slices times shorter; the
+    // fan_out threads (the 128-wide layers: 8 runs of 16 inputs, the 32-bit output layer: 32 runs
+    // of 4), so every thread works and the dependent chain of fmas is slices times shorter; the
     // runs' partial sums are added in run order afterwards. A layer at least as wide as the
-    // block has one run, and each thread owns units j, j + kThreads, ... (at most
-    // kMaxWidth / kThreads of them).
-    const int slices = fan_out >= kThreads ? 1 : kThreads / fan_out;
-    const int slice = slices > 1 ? static_cast<int>(threadIdx.x) / fan_out : 0;
-    const int units = slices > 1 ? (slice < slices ? 1 : 0) : kMaxWidth / kThreads;
-    const int j0 = slices > 1 ? static_cast<int>(threadIdx.x) % fan_out : static_cast<int>(threadIdx.x);
-    float acc[kMaxWidth / kThreads][kRows];
+    // block has one run, and each thread owns units j, j + kEncodeThreads, ... (at most
+    // kMaxWidth / kEncodeThreads of them).
+    const int slices = p.slices[layer];
+    const int slice = slices > 1 ? static_cast<int>((threadIdx.x * p.slice_divider[layer]) >> 20) : 0;
+    const int units = slices > 1 ? (slice < slices ? 1 : 0) : kMaxWidth / kEncodeThreads;
+    const int j0 = slices > 1 ? static_cast<int>(threadIdx.x) - slice * fan_out : static_cast<int>(threadIdx.x);
+    float acc[kMaxWidth / kEncodeThreads][kRows];
 #pragma unroll
-    for (int u = 0; u < kMaxWidth / kThreads; ++u) {
+    for (int u = 0; u < kMaxWidth / kEncodeThreads; ++u) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) acc[u][r] = 0.0f;
     }
@@ -202,11 +308,11 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
       }
       const w_t* tile = all_staged ? staged + layer_offset : staged;
       // This thread's run of the tile's inputs: a multiple of 4 long, so that it starts aligned.
-      const int run = (ceil_div(k_count, slices) + 3) / 4 * 4;
+      const int run = all_staged ? p.full_run[layer] : (ceil_div(k_count, slices) + 3) / 4 * 4;
       const int k_begin = min(k_count, slice * run), k_end = min(k_count, k_begin + run);
 #pragma unroll
-      for (int u = 0; u < kMaxWidth / kThreads; ++u) {
-        const int j = j0 + u * kThreads;
+      for (int u = 0; u < kMaxWidth / kEncodeThreads; ++u) {
+        const int j = j0 + u * kEncodeThreads;
         if (u >= units || j >= fan_out) break;
         int k = k_begin;
 #pragma unroll 2
@@ -245,13 +351,13 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
         }
       }
     }
-    // Threads that hold finished sums: units j0 + u * kThreads (one run), or j0 < fan_out (split).
+    // Threads that hold finished sums: units j0 + u * kEncodeThreads (one run), or j0 < fan_out (split).
     const int finished = slices > 1 ? (static_cast<int>(threadIdx.x) < fan_out ? 1 : 0) : units;
 #pragma unroll
-    for (int u = 0; u < kMaxWidth / kThreads; ++u) {
-      const int j = j0 + u * kThreads;
+    for (int u = 0; u < kMaxWidth / kEncodeThreads; ++u) {
+      const int j = j0 + u * kEncodeThreads;
       if (u >= finished || j >= fan_out) break;  // warp-uniform for the last layer: its width is a multiple of 32
-      const float bj = biases[layer * p.width_stride + j];
+      const float bj = static_cast<float>(biases[layer * bias_stride + j]);
       if (!last) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) next[r * p.width_stride + j] = r < rows ? activate(acc[u][r] + bj, p.activation) : 0.0f;
@@ -262,7 +368,8 @@ __global__ void __launch_bounds__(kThreads) fused_mlp_sign_kernel(FusedMlpLaunch
           // Compare in float like the CPU kernel; NaN > 0 is false: bit 0.
           const unsigned word = __ballot_sync(0xffffffffu, acc[u][r] + bj > 0.0f);
           if (lane == 0 && r < rows) {
-            const int64_t row = row0 + r, b = row / p.tokens, n = row % p.tokens;
+            const int row = static_cast<int>(row0) + r, tokens = static_cast<int>(p.tokens);
+            const int b = row / tokens, n = row - b * tokens;
             p.out[((b * p.heads + h) * p.tokens + n) * words + j / 32] = static_cast<int32_t>(word);
           }
         }
@@ -288,7 +395,8 @@ int activation_code(const std::string& activation) {
 // kMaxWidth and kRowsPerBlock).
 template <typename w_t, int kRows>
 int64_t prepare_shared_memory(FusedMlpParams& p) {
-  const int64_t floats = int64_t(sizeof(float)) * ((2 * kRows + p.layers) * p.width_stride + kThreads * kRows);
+  const int64_t floats = int64_t(sizeof(float)) * (2 * kRows * p.width_stride + kEncodeThreads * kRows) +
+                         int64_t(sizeof(w_t)) * p.layers * ((p.width_stride + 7) / 8 * 8);  // + the biases
   int64_t weights = 0;
   for (int layer = 0; layer < p.layers; ++layer) weights += (int64_t(p.widths[layer]) * p.widths[layer + 1] + 7) / 8 * 8;
   weights *= int64_t(sizeof(w_t));
@@ -302,7 +410,7 @@ void launch_kernel(FusedMlpLaunch launch, int problems, dim3 grid) {
   for (int i = 0; i < problems; ++i) smem = std::max(smem, prepare_shared_memory<w_t, kRows>(launch.problems[i]));
   auto kernel = fused_mlp_sign_kernel<x_t, w_t, kRows>;
   allow_shared_memory(kernel, static_cast<size_t>(smem));
-  kernel<<<grid, kThreads, static_cast<size_t>(smem), at::cuda::getCurrentCUDAStream()>>>(launch);
+  kernel<<<grid, kEncodeThreads, static_cast<size_t>(smem), at::cuda::getCurrentCUDAStream()>>>(launch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -333,18 +441,18 @@ void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_ty
 }
 
 // Launches the fused kernel once for `problems` (1 or 2) non-empty problems of the same x and
-// weight dtypes. Rows per block: the fewest that keep the grid within two blocks per
-// multiprocessor. A block's time grows with its rows (the fma chains lengthen: B = 1 / 4 / 8 took
-// 9.3 / 13.3 / 19.2 us per pair launch with all of a head's rows in one block, H200), while more
-// blocks of one head only re-read its weights from L2; so a decode step at B = 4 (a pair launch:
-// 64 heads) runs 256 one-row blocks, and prefill-sized row counts take 8 rows per block.
+// weight dtypes. Rows per block: the fewest that keep the grid within one block (of 1024 threads,
+// all a multiprocessor holds at 64 registers) per multiprocessor. A block's time grows with its
+// rows (the fma chains lengthen), while more blocks of one head only re-read its weights from
+// L2; so a decode step at B = 4 (a pair launch: 64 heads) runs 128 two-row blocks, and
+// prefill-sized row counts take 8 rows per block.
 void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
   int64_t rows = 0, heads = 0;
   for (int i = 0; i < problems; ++i) {
     rows = std::max(rows, launch.problems[i].rows);
     heads += launch.problems[i].heads;
   }
-  const int64_t blocks = 2 * multiprocessor_count();
+  const int64_t blocks = multiprocessor_count() * std::max(1, 512 / kEncodeThreads);
   if (heads * rows <= blocks) return launch_rows<1>(launch, problems, x_type, weight_type);
   if (heads * ceil_div(rows, int64_t(2)) <= blocks) return launch_rows<2>(launch, problems, x_type, weight_type);
   if (heads * ceil_div(rows, int64_t(4)) <= blocks) return launch_rows<4>(launch, problems, x_type, weight_type);
@@ -372,6 +480,10 @@ FusedMlpParams describe_problem(const at::Tensor& x, at::TensorList weights, at:
     kept.push_back(biases[i].contiguous());
     p.biases[i] = kept.back().data_ptr();
     p.widths[i + 1] = static_cast<int>(weights[i].size(2));
+    const int fan_in = p.widths[i], fan_out = p.widths[i + 1];
+    p.slices[i] = fan_out >= kEncodeThreads || fan_out < 1 ? 1 : kEncodeThreads / fan_out;
+    p.slice_divider[i] = fan_out < 1 ? 0u : static_cast<unsigned>(((1u << 20) + fan_out - 1) / fan_out);
+    p.full_run[i] = (ceil_div(fan_in, p.slices[i]) + 3) / 4 * 4;
     widest = std::max<int64_t>(widest, weights[i].size(2));
   }
   p.activation = activation;
