@@ -116,6 +116,43 @@ def test_encode_few_rows_matches_reference(device, batch, tokens, sizes, weight_
     check_bits(signatures, pre_sign, MARGIN[(device, x_dtype)])
 
 
+def at_element_offset(tensor, offset):
+    """The same values, stored `offset` elements into a larger buffer (so the data pointer loses its
+    16-byte alignment for offsets that are not multiples of 16 bytes)."""
+    buffer = torch.zeros(tensor.numel() + offset, dtype=tensor.dtype, device=tensor.device)
+    view = buffer[offset:].view(tensor.shape)
+    view.copy_(tensor)
+    return view
+
+
+# The fused CUDA kernel stages a layer's weights and bias by bulk copy only when both start on a
+# 16-byte boundary and span whole 16-byte units; otherwise it falls back to cp.async or element
+# copies for the whole block. Misalign the weights, the biases, or one layer's pair only.
+@pytest.mark.parametrize("misaligned", ["weights", "biases", "second-layer", "none"])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_encode_weights_at_unaligned_addresses(device, misaligned, weight_dtype):
+    g = generator_for("encode-unaligned", device, misaligned, weight_dtype)
+    x = torch.randn(2, 4, 1, 64, generator=g).to(torch.bfloat16).to(device)
+    weights, biases = make_mlp(4, [64, 128, 64, 32], g, weight_dtype, device)
+    for i in range(len(weights)):
+        if misaligned in ("weights", "biases") or (misaligned == "second-layer" and i == 1):
+            if misaligned != "biases":
+                weights[i] = at_element_offset(weights[i], 1)
+            if misaligned != "weights":
+                biases[i] = at_element_offset(biases[i], 3)
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases])
+    check_bits(ha.encode_signatures(x, weights, biases), pre_sign, MARGIN[(device, torch.bfloat16)])
+    # The decode step's pair launch: the key problem's weights misaligned, the query's not.
+    key = torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16).to(device)
+    query_weights, query_biases = make_mlp(4, [64, 128, 64, 32], g, weight_dtype, device)
+    got_query, got_key = ha.encode_signatures_pair(x, query_weights, query_biases, key, weights, biases)
+    check_bits(got_query, reference.mlp_outputs(x.cpu(), [w.cpu() for w in query_weights],
+                                                [b.cpu() for b in query_biases]), MARGIN[(device, torch.bfloat16)])
+    key_rows = key.cpu().repeat_interleave(2, dim=1)  # per-query-head MLPs read KV head h // 2
+    check_bits(got_key, reference.mlp_outputs(key_rows, [w.cpu() for w in weights], [b.cpu() for b in biases]),
+               MARGIN[(device, torch.bfloat16)])
+
+
 def test_encode_mixed_weight_dtypes(device):
     """Layers in different dtypes (the fused CUDA kernel takes one dtype) still encode correctly."""
     g = generator_for("encode-mixed-layers", device)
