@@ -40,6 +40,42 @@ CacheRows<scalar_t> cache_rows(const at::Tensor& cache, const at::Tensor& block_
                              dims.paged ? block_table.size(1) : 0, dims.page_size};
 }
 
+// q · k over d elements, q already in float32. kLanes independent partial sums: a single running
+// sum is a chain of dependent adds that the compiler may not reorder (no -ffast-math), so it ran one
+// multiply-add at a time; lanes it can keep in vector registers (SSE at the baseline x86-64 ISA).
+// The sum order therefore differs from a left-to-right float loop (both are float32 accumulations;
+// the tests compare with the float64 reference).
+template <typename scalar_t>
+inline float dot_with_query(const float* q, const scalar_t* k, int64_t d) {
+  constexpr int kLanes = 16;
+  float partial[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    for (int u = 0; u < kLanes; ++u) partial[u] += q[i + u] * static_cast<float>(k[i + u]);
+  }
+  for (int u = 0; i < d; ++i, ++u) partial[u] += q[i] * static_cast<float>(k[i]);
+  float sum = 0.f;
+  for (int u = 0; u < kLanes; ++u) sum += partial[u];
+  return sum;
+}
+
+// Software prefetch of the row `ahead` entries further down the index list. The selected rows are
+// scattered over the cache, so the hardware prefetchers cannot guess them, and each row was a
+// DRAM round trip of its own: gathering 2,048 of 32K rows per head took 7x as long as reading the
+// first 2,048 (scripts/bench_ops_cpu.py's sparse row, 2-core x86 VM).
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t d) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < d * int64_t(sizeof(scalar_t)); offset += 64) __builtin_prefetch(bytes + offset);
+#else
+  (void)row;
+  (void)d;
+#endif
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
@@ -89,10 +125,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query,
         logits.assign(used, -std::numeric_limits<float>::infinity());
         float max_logit = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < used; ++j) {
+          if (j + kPrefetchAhead < used && list[j + kPrefetchAhead] >= 0) {
+            prefetch_row(keys.row(b, kv, list[j + kPrefetchAhead]), d);
+          }
           if (list[j] < 0) continue;  // padding (only reachable without counts)
           const scalar_t* kr = keys.row(b, kv, list[j]);
-          float dot = 0.f;
-          for (int64_t i = 0; i < d; ++i) dot += q[i] * static_cast<float>(kr[i]);
+          const float dot = dot_with_query(q.data(), kr, d);
           logits[j] = dot;
           max_logit = std::max(max_logit, dot);
         }
@@ -100,6 +138,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query,
         float denominator = 0.f;
         if (max_logit != -std::numeric_limits<float>::infinity()) {
           for (int64_t j = 0; j < used; ++j) {
+            if (j + kPrefetchAhead < used && list[j + kPrefetchAhead] >= 0) {
+              prefetch_row(values.row(b, kv, list[j + kPrefetchAhead]), d);
+            }
             if (list[j] < 0) continue;
             const float p = std::exp(logits[j] - max_logit);
             denominator += p;
