@@ -56,7 +56,7 @@ constexpr int64_t kMaxSharedBytes = 200 * 1024;  // all layers' weights are stag
 
 // Elements a layer's weights take in the staging buffer: rounded up to 8 so that every layer's
 // block starts 16-byte aligned.
-__device__ __forceinline__ int64_t staged_elements(int64_t count) { return (count + 7) / 8 * 8; }
+__host__ __device__ __forceinline__ int64_t staged_elements(int64_t count) { return (count + 7) / 8 * 8; }
 
 enum Activation : int { kSilu = 0, kRelu = 1, kGelu = 2, kTanh = 3, kIdentity = 4 };
 
@@ -396,9 +396,9 @@ int activation_code(const std::string& activation) {
 template <typename w_t, int kRows>
 int64_t prepare_shared_memory(FusedMlpParams& p) {
   const int64_t floats = int64_t(sizeof(float)) * (2 * kRows * p.width_stride + kEncodeThreads * kRows) +
-                         int64_t(sizeof(w_t)) * p.layers * ((p.width_stride + 7) / 8 * 8);  // + the biases
+                         int64_t(sizeof(w_t)) * p.layers * staged_elements(p.width_stride);  // + the biases
   int64_t weights = 0;
-  for (int layer = 0; layer < p.layers; ++layer) weights += (int64_t(p.widths[layer]) * p.widths[layer + 1] + 7) / 8 * 8;
+  for (int layer = 0; layer < p.layers; ++layer) weights += staged_elements(int64_t(p.widths[layer]) * p.widths[layer + 1]);
   weights *= int64_t(sizeof(w_t));
   p.all_staged = floats + weights <= kMaxSharedBytes;
   return floats + (p.all_staged ? weights : kStageBytes);
@@ -441,18 +441,18 @@ void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_ty
 }
 
 // Launches the fused kernel once for `problems` (1 or 2) non-empty problems of the same x and
-// weight dtypes. Rows per block: the fewest that keep the grid within one block (of 1024 threads,
-// all a multiprocessor holds at 64 registers) per multiprocessor. A block's time grows with its
-// rows (the fma chains lengthen), while more blocks of one head only re-read its weights from
-// L2; so a decode step at B = 4 (a pair launch: 64 heads) runs 128 two-row blocks, and
-// prefill-sized row counts take 8 rows per block.
+// weight dtypes. Rows per block: the fewest that keep the grid within two blocks per
+// multiprocessor. A block's time grows with its rows (the fma chains lengthen: B = 1 / 4 / 8 took
+// 9.3 / 13.3 / 19.2 us per pair launch with all of a head's rows in one block, H200), while more
+// blocks of one head only re-read its weights from L2; so a decode step at B = 4 (a pair launch:
+// 64 heads) runs 256 one-row blocks, and prefill-sized row counts take 8 rows per block.
 void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
   int64_t rows = 0, heads = 0;
   for (int i = 0; i < problems; ++i) {
     rows = std::max(rows, launch.problems[i].rows);
     heads += launch.problems[i].heads;
   }
-  const int64_t blocks = multiprocessor_count() * std::max(1, 512 / kEncodeThreads);
+  const int64_t blocks = 2 * multiprocessor_count();
   if (heads * rows <= blocks) return launch_rows<1>(launch, problems, x_type, weight_type);
   if (heads * ceil_div(rows, int64_t(2)) <= blocks) return launch_rows<2>(launch, problems, x_type, weight_type);
   if (heads * ceil_div(rows, int64_t(4)) <= blocks) return launch_rows<4>(launch, problems, x_type, weight_type);
