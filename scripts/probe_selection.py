@@ -11,6 +11,13 @@ in full, and prints the time of each phase as the differences:
     python scripts/probe_selection.py --batches 4 --ns 131072 --selection kv_group
     python scripts/probe_selection.py --batches 4 --ns 131072 --per-sequence --signatures mlp  # as in a model
     python scripts/probe_selection.py --batches 1 --ns 8192 32768 131072 --read-floor
+    python scripts/probe_selection.py --batches 1 4 --ns 131072 --variants --timeline
+
+--variants also times two whole-kernel variants whose output is wrong: "nostores" (phase 2 runs
+but its position stores are predicated off) and "nosplit" (the boundary chunk of each row takes
+the uniform write path). --timeline runs one eager launch whose blocks record their
+multiprocessor, start and end (%globaltimer) and the clock64 cycles of each phase, and prints
+the spread of every phase over the blocks, boundary and other blocks apart.
 
 --read-floor adds what any one-kernel selection costs at the least, measured in the same way (graph
 replays of one launch per layer buffer): "empty", a kernel that writes one word (the launch and
@@ -43,6 +50,8 @@ except ImportError:
 
 QUERY_HEADS, KV_HEADS, SINK, LOCAL = 32, 8, 128, 128
 PROBE = "HASHATTENTION_SELECTION_PROBE"
+TIMELINE = "HASHATTENTION_SELECTION_TIMELINE"
+TIMELINE_WORDS = 8  # kTimelineWords in hamming_topk_resident.cu
 
 
 def parse_args():
@@ -61,6 +70,11 @@ def parse_args():
                              "vectors (random adapters on random keys, as the end-to-end benchmark's)")
     parser.add_argument("--read-floor", action="store_true",
                         help="also time an empty kernel and a plain read of the same signature bytes (needs Triton)")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time the nostores and nosplit kernel variants (wrong output, timing only)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also record one launch's per-block phase timeline and print its spread")
+    parser.add_argument("--timeline-out", default="", help="folder for the raw per-block timelines (CSV)")
     return parser.parse_args()
 
 
@@ -79,8 +93,8 @@ def random_signatures(shape, generator, kind: str) -> torch.Tensor:
     return out
 
 
-def time_selection(batch: int, n: int, args) -> tuple[float, int]:
-    """Median µs of one hamming_topk call, and the key-signature bytes it reads."""
+def selection_steps(batch: int, n: int, args):
+    """`step(i)` running hamming_topk on layer buffer i < args.layers, as in a model."""
     g = torch.Generator(device="cuda").manual_seed(0)
     key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
     selection_heads = key_heads
@@ -103,7 +117,75 @@ def time_selection(batch: int, n: int, args) -> tuple[float, int]:
         return ha.hamming_topk(q, k, selection_heads=selection_heads, sink_tokens=SINK, local_tokens=LOCAL,
                                budget_tokens=budget, **per_sequence)
 
-    return time_graph(step, args.layers, args.repeats, 5), batch * key_heads * n * 4
+    return step, batch * key_heads * n * 4
+
+
+def time_selection(batch: int, n: int, args) -> tuple[float, int]:
+    """Median µs of one hamming_topk call, and the key-signature bytes it reads."""
+    step, nbytes = selection_steps(batch, n, args)
+    return time_graph(step, args.layers, args.repeats, 5), nbytes
+
+
+def percentiles(values: torch.Tensor) -> str:
+    """min / median / p90 / max of a float tensor, as text."""
+    if values.numel() == 0:
+        return "-"
+    q = torch.quantile(values, torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=values.dtype))
+    return " / ".join(f"{v:.2f}" for v in q.tolist())
+
+
+def print_timeline(batch: int, n: int, args) -> None:
+    """One eager launch with per-block timelines (see BlockTimeline in hamming_topk_resident.cu)."""
+    step, _ = selection_steps(batch, n, args)
+    for i in range(args.layers):  # warm-up; the timed call's buffer (0) is out of L2 afterwards
+        step(i)
+    record = torch.zeros(1 << 20, TIMELINE_WORDS, device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    os.environ[TIMELINE] = str(record.data_ptr())
+    try:
+        step(0)
+        torch.cuda.synchronize()
+    finally:
+        os.environ.pop(TIMELINE, None)
+    r = record.cpu().to(torch.int64)
+    r = r[r[:, 6] != 0]
+    if r.numel() == 0:
+        print("  timeline: no block recorded (not the one-launch kernel?)")
+        return
+    sm, split, chunk = r[:, 0] & 0xFFFF, (r[:, 0] >> 16) & 1, r[:, 0] >> 17
+    start = (r[:, 1] - r[0, 1] + 2**31) % 2**32 - 2**31  # wrapping ns differences
+    end = (r[:, 7] - r[0, 1] + 2**31) % 2**32 - 2**31
+    origin = start.min()
+    start, end = (start - origin).double() / 1e3, (end - origin).double() / 1e3  # µs from the first start
+    cycles = r[:, 2:7].double()
+    us_per_cycle = ((end - start) / cycles[:, 4]).median().item()
+    phases = torch.cat([cycles[:, :1], cycles[:, 1:] - cycles[:, :-1]], dim=1) * us_per_cycle
+    per_sm = torch.bincount(sm)
+    print(f"  timeline B={batch} n={n}: {r.shape[0]} blocks on {int((per_sm > 0).sum())} multiprocessors "
+          f"({int(per_sm[per_sm > 0].min())}-{int(per_sm.max())} each), span {end.max().item():.2f} µs, "
+          f"clock {1 / us_per_cycle:.0f} MHz; min / median / p90 / max µs:")
+    print(f"    {'blocks':<16} {'count':>5}  {'start':>22}  {'phase 1':>22}  {'barrier':>22}  {'threshold':>22}  "
+          f"{'counts':>22}  {'writes':>22}  {'end':>22}")
+    for name, mask in (("all", torch.ones_like(split, dtype=torch.bool)), ("boundary (split)", split == 1),
+                       ("other", split == 0)):
+        if int(mask.sum()) == 0:
+            continue
+        cells = [percentiles(start[mask])] + [percentiles(phases[mask, k]) for k in range(5)] + [percentiles(end[mask])]
+        print(f"    {name:<16} {int(mask.sum()):5d}  " + "  ".join(f"{c:>22}" for c in cells))
+    groups = [(f"{k} blocks on its SM", per_sm[sm] == k) for k in range(1, int(per_sm.max()) + 1)]
+    groups += [(f"chunk {c}", chunk == c) for c in range(int(chunk.max()) + 1)]
+    for name, mask in groups:
+        if int(mask.sum()) == 0:
+            continue
+        cells = [percentiles(start[mask])] + [percentiles(phases[mask, k]) for k in range(5)] + [percentiles(end[mask])]
+        print(f"    {name:<16} {int(mask.sum()):5d}  " + "  ".join(f"{c:>22}" for c in cells))
+    if args.timeline_out:
+        path = os.path.join(args.timeline_out, f"timeline_B{batch}_n{n}{'_seq' if args.per_sequence else ''}.csv")
+        with open(path, "w") as f:
+            f.write("sm,split,chunk,start_us,end_us,phase1_us,barrier_us,threshold_us,counts_us,writes_us\n")
+            for i in range(r.shape[0]):
+                f.write(f"{int(sm[i])},{int(split[i])},{int(chunk[i])},{start[i].item():.3f},{end[i].item():.3f}," +
+                        ",".join(f"{phases[i, k].item():.3f}" for k in range(5)) + "\n")
 
 
 if triton is not None:
@@ -157,12 +239,16 @@ def main() -> int:
     print(f"{'B':>2} {'n':>7} {'full us':>8} {'scoring':>8} {'barrier':>8} {'thresh.':>8} {'counts':>8} "
           f"{'writes':>8} {'GB/s':>7} {'GB/s p1':>8}" + floor_header)
     modes = ("", "counts", "threshold", "barrier", "scoring")
+    variants = ("nostores", "nosplit") if args.variants else ()
     for batch in args.batches:
         for n in args.ns:
             times = {}
             for mode in modes:
                 os.environ[PROBE] = mode
                 times[mode], nbytes = time_selection(batch, n, args)
+            for mode in variants:
+                os.environ[PROBE] = mode
+                times[mode], _ = time_selection(batch, n, args)
             os.environ.pop(PROBE, None)
             cumulative = [times[mode] for mode in reversed(modes)]  # scoring, barrier, ..., full
             deltas = [cumulative[0]] + [b - a for a, b in zip(cumulative, cumulative[1:])]
@@ -172,6 +258,10 @@ def main() -> int:
                 floor = f" {empty:6.1f} {read:6.1f} {nbytes / read / 1e3:8.0f}"
             print(f"{batch:2d} {n:7d} {times['']:8.1f} " + " ".join(f"{d:8.1f}" for d in deltas) +
                   f" {nbytes / times[''] / 1e3:7.0f} {nbytes / times['scoring'] / 1e3:8.0f}" + floor)
+            if variants:
+                print("   variants (full µs): " + ", ".join(f"{mode} {times[mode]:.1f}" for mode in variants))
+            if args.timeline:
+                print_timeline(batch, n, args)
             torch.cuda.empty_cache()
     return 0
 

@@ -57,6 +57,56 @@ constexpr int kLoadBatch = 4;                // 16-byte loads per thread and bat
 // Never set outside that script.
 constexpr int kProbeOff = 0, kProbeAfterScoring = 1, kProbeAfterBarrier = 2, kProbeAfterThreshold = 3,
               kProbeAfterCounts = 4;
+// Diagnostic variants of the whole kernel (wrong output, timing only): "nostores" runs phase 2 in
+// full but predicates off its position stores; "nosplit" writes the boundary chunk as if it kept
+// all or none of its ties (the uniform path), so the cost of the boundary blocks shows apart.
+constexpr int kProbeNoStores = 5, kProbeNoSplit = 6;
+
+// Per-block timeline (HASHATTENTION_SELECTION_TIMELINE=<device address>, set by
+// scripts/probe_selection.py --timeline; never otherwise): each block of a launch writes
+// kTimelineWords ints at timeline[linear block index * kTimelineWords]: its multiprocessor (bits
+// 0-15; bit 16 set for a boundary chunk that splits its ties; its chunk index from bit 17), %globaltimer's low word at its start,
+// its clock64 cycles from the start to the end of phase 1, the grid barrier, the threshold, the
+// warps' offsets and the end of its writes, and %globaltimer's low word at its end. Blocks that
+// leave phase 2 early write nothing.
+constexpr int kTimelineWords = 8;
+
+struct BlockTimeline {
+  int32_t* out;  // nullptr: off
+  long long start_cycles = 0;
+  unsigned start_ns = 0;
+  int cycles[5] = {0, 0, 0, 0, 0};
+
+  static __device__ __forceinline__ unsigned global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return static_cast<unsigned>(t);
+  }
+  __device__ __forceinline__ void begin() {
+    if (out != nullptr && threadIdx.x == 0) {
+      start_ns = global_ns();
+      start_cycles = clock64();
+    }
+  }
+  __device__ __forceinline__ void mark(int k) {
+    if (out != nullptr && threadIdx.x == 0) cycles[k] = static_cast<int>(clock64() - start_cycles);
+  }
+  // Call from every thread (a barrier: the block's writes are issued before its end is taken).
+  __device__ __forceinline__ void finish(bool split, int chunk_index) {
+    if (out == nullptr) return;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    mark(4);
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const int64_t block = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
+    int32_t* o = out + block * kTimelineWords;
+    o[0] = static_cast<int32_t>(sm | (split ? 1u << 16 : 0u) | unsigned(chunk_index) << 17);
+    o[1] = static_cast<int32_t>(start_ns);
+    for (int k = 0; k < 5; ++k) o[2 + k] = cycles[k];
+    o[7] = static_cast<int32_t>(global_ns());
+  }
+};
 
 // Bit 7 of byte i is set when byte i of x == byte i of y.
 __device__ __forceinline__ unsigned bytes_equal(unsigned x, unsigned y) {
@@ -150,39 +200,66 @@ struct PhaseOneCounters {
   __device__ __forceinline__ void add(unsigned distance) const {
     atomicAdd(&words[distance * 32 + (threadIdx.x & 31)], 1u);
   }
+  // Takes back one count of `distance` (the column sums wrap; their total over the lanes does not).
+  __device__ __forceinline__ void remove(unsigned distance) const {
+    atomicAdd(&words[distance * 32 + (threadIdx.x & 31)], ~0u);
+  }
 };
 
-// Scores one batch into the chunk's distance bytes and counters. Non-interior chunks mask the
-// positions outside [lo, hi) and reload the one group that the clamped loads cannot cover: the
-// signatures' last, partial group (positions keys4 .. keys - 1, keys4 = keys rounded down to 4),
-// with scalar loads.
-template <int kGroup, bool kInterior>
+// Scores one batch into the chunk's distance bytes and counters, every position of the batch
+// alike: positions outside the row's candidates [lo, hi) and the signatures' partial last group
+// are corrected afterwards by mask_chunk_edges.
+template <int kGroup>
 __device__ __forceinline__ void score_batch(const unsigned (&q)[kGroup], const ChunkLoads& at, int batch,
-                                            const int4 (&keys)[kLoadBatch], int lo, int hi, int keys4,
-                                            unsigned* distance_words, const PhaseOneCounters<kGroup>& counters) {
+                                            const int4 (&keys)[kLoadBatch], unsigned* distance_words,
+                                            const PhaseOneCounters<kGroup>& counters) {
 #pragma unroll
   for (int k = 0; k < kLoadBatch; ++k) {
-    const int g = at.group(batch, k);
-    const int position = at.base + 4 * g;
-    unsigned key[4] = {unsigned(keys[k].x), unsigned(keys[k].y), unsigned(keys[k].z), unsigned(keys[k].w)};
-    if (!kInterior && position == keys4 && position < hi) {  // rare: at most one group per row
-#pragma unroll
-      for (int j = 0; j < 4; ++j) key[j] = position + j < hi ? unsigned(__ldg(at.key_row + position + j)) : 0u;
-    }
+    const unsigned key[4] = {unsigned(keys[k].x), unsigned(keys[k].y), unsigned(keys[k].z), unsigned(keys[k].w)};
     unsigned packed = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       unsigned distance = 0;
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) distance += __popc(q[h] ^ key[j]);
-      if (kInterior || (position + j >= lo && position + j < hi)) {
-        counters.add(distance);
-      } else {
-        distance = DistanceBytes<kGroup>::kOutside;
-      }
+      counters.add(distance);
       packed |= distance << (8 * j);
     }
-    distance_words[g] = packed;  // lanes store consecutive words: no bank conflicts
+    distance_words[at.group(batch, k)] = packed;  // lanes store consecutive words: no bank conflicts
+  }
+}
+
+// The chunk's positions that are not candidates of the row -- before `lo` (the sink window,
+// earlier chunks' rows) and from `hi` on (the local window, unwritten slots, past the signatures)
+// -- leave the counts and become kOutside; the valid positions of the signatures' partial last
+// group (keys4 .. hi - 1, at most three), which the clamped loads scored with the group before
+// it, get their own distances. Scoring every chunk alike and correcting its edges here replaced
+// a masked scoring path for the first and last chunks of a row, which ran ~40% slower than the
+// interior one (H200, B = 4 / 128K / 32x per query head: 22-27 us of phase 1 for those blocks
+// against 13-20 us for the others, per-block timelines of scripts/probe_selection.py --timeline)
+// and so set when every block passed the grid barrier. Call from every thread, after a barrier.
+template <int kGroup>
+__device__ __forceinline__ void mask_chunk_edges(const unsigned (&q)[kGroup], const int32_t* key_row, int base,
+                                                 int chunk, int lo, int hi, int keys4, unsigned* distance_words,
+                                                 const PhaseOneCounters<kGroup>& counters) {
+  auto* bytes = reinterpret_cast<unsigned char*>(distance_words);
+  for (int i = threadIdx.x; i < lo - base; i += kThreads) {
+    counters.remove(bytes[i]);
+    bytes[i] = DistanceBytes<kGroup>::kOutside;
+  }
+  for (int i = hi - base + threadIdx.x; i < chunk; i += kThreads) {
+    counters.remove(bytes[i]);
+    bytes[i] = DistanceBytes<kGroup>::kOutside;
+  }
+  const int position = max(keys4, lo) + static_cast<int>(threadIdx.x);
+  if (position < hi && threadIdx.x < 4) {
+    const unsigned key = static_cast<unsigned>(__ldg(key_row + position));
+    unsigned distance = 0;
+#pragma unroll
+    for (int h = 0; h < kGroup; ++h) distance += __popc(q[h] ^ key);
+    counters.remove(bytes[position - base]);
+    counters.add(distance);
+    bytes[position - base] = static_cast<unsigned char>(distance);
   }
 }
 
@@ -194,29 +271,29 @@ __device__ __forceinline__ void score_batch(const unsigned (&q)[kGroup], const C
 // issued, and a version that scored B behind a branch had ptxas move B's loads into that branch,
 // just before their use: either way one batch was in flight (Nsight Compute: a third of the warp
 // stalls on those instructions).
-template <int kGroup, bool kInterior>
+template <int kGroup>
 __device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const ChunkLoads& at, int4 (&a)[kLoadBatch],
-                                            int lo, int hi, int keys4, unsigned* distance_words,
-                                            const PhaseOneCounters<kGroup>& counters) {
+                                            unsigned* distance_words, const PhaseOneCounters<kGroup>& counters) {
   if (at.last_batch == 0) {  // one batch per thread (chunk 4096): nothing to overlap
-    score_batch<kGroup, kInterior>(q, at, 0, a, lo, hi, keys4, distance_words, counters);
+    score_batch<kGroup>(q, at, 0, a, distance_words, counters);
     return;
   }
   int4 b[kLoadBatch];
   for (int batch = 0; batch <= at.last_batch; batch += 2) {  // an even number of batches
     at.load(batch + 1, b);
-    score_batch<kGroup, kInterior>(q, at, batch, a, lo, hi, keys4, distance_words, counters);
+    score_batch<kGroup>(q, at, batch, a, distance_words, counters);
     at.load(batch + 2, a);  // past the last batch: repeats it (cached), never scored
-    score_batch<kGroup, kInterior>(q, at, batch + 1, b, lo, hi, keys4, distance_words, counters);
+    score_batch<kGroup>(q, at, batch + 1, b, distance_words, counters);
   }
 }
 
 // Writes position + i to o[0], o[1], ... for each set bit i of `bits`, lowest first.
-__device__ __forceinline__ void write_positions(unsigned bits, int position, int32_t* o) {
+__device__ __forceinline__ void write_positions(unsigned bits, int position, int32_t* o, bool stores) {
   while (bits != 0) {
     const int bit = __ffs(bits) - 1;
     bits &= bits - 1;
-    *o++ = position + bit;
+    if (stores) *o = position + bit;
+    ++o;
   }
 }
 
@@ -228,7 +305,7 @@ __device__ __forceinline__ void write_positions(unsigned bits, int position, int
 template <int kGroup, bool kSplitTies>
 __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int first_vector, int steps, int first_position,
                                                    unsigned limit_bytes, unsigned threshold_bytes, int chunk_skip,
-                                                   int better_base, int ties_base, int32_t* out) {
+                                                   int better_base, int ties_base, int32_t* out, bool stores) {
   const int lane = threadIdx.x & 31;
   for (int step = 0; step < steps; ++step) {
     const int vector = first_vector + step * 32 + lane;
@@ -251,21 +328,20 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
     const unsigned before = inclusive - own, step_total = __shfl_sync(0xffffffffu, inclusive, 31);
     const int position = first_position + vector * 16;
     if constexpr (!kSplitTies) {
-      write_positions(better, position, out + better_base + int(before));
+      write_positions(better, position, out + better_base + int(before), stores);
     } else {
-      int better_before = better_base + int(before & 0xffffu), ties_seen = ties_base + int(before >> 16);
-      unsigned flagged = better | ties;
-      while (flagged != 0) {
-        const int bit = __ffs(flagged) - 1;
-        flagged &= flagged - 1;
-        if ((better >> bit) & 1u) {
-          out[better_before + max(ties_seen - chunk_skip, 0)] = position + bit;
-          ++better_before;
-        } else {
-          if (ties_seen >= chunk_skip) out[better_before + ties_seen - chunk_skip] = position + bit;
-          ++ties_seen;
-        }
-      }
+      // The chunk's first chunk_skip ties are dropped, so a lane keeps its ties from chunk rank
+      // chunk_skip on: the lane holding the cut clears its lowest dropped ones (the only loop),
+      // and every lane then writes its kept entries consecutively from
+      // better entries before it + kept ties before it, as the uniform path does. (Deciding tie
+      // by tie instead made the boundary blocks' writes ~1.8x the others' at B = 4 / 128K,
+      // scripts/probe_selection.py --timeline.)
+      const int tie_rank = ties_base + int(before >> 16);
+      int drop = chunk_skip - tie_rank;
+      unsigned kept = drop >= __popc(ties) ? 0u : ties;
+      for (; drop > 0 && kept != 0; --drop) kept &= kept - 1;
+      write_positions(better | kept, position, out + better_base + int(before & 0xffffu) + max(tie_rank - chunk_skip, 0),
+                      stores);
     }
     better_base += int(step_total & 0xffffu);
     ties_base += int(step_total >> 16);
@@ -283,7 +359,7 @@ constexpr int kMinResidentBlocks = 5;
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,
-                           int probe_stop) {
+                           int probe_stop, int32_t* timeline_out) {
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
   constexpr int kBins = Counters::kBins;    // possible distances
@@ -299,12 +375,14 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   __shared__ int64_t row_better, row_better_before, row_ties_before, row_ties;
   const Counters counters{counter_words};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  BlockTimeline timeline{timeline_out};
+  timeline.begin();
 
   const BlockCoordinates at = block_coordinates(p, chunk, offset);  // offset: (head row, batch) of the slice
   const int chunks = static_cast<int>(gridDim.x);
   // The first batch of loads goes out before the row's window (global reads of lengths, starts and
   // budgets) is known: whole groups of four inside the signatures are always safe to read (the
-  // launch guarantees keys >= 4; the partial group at the end is reloaded when scored).
+  // launch guarantees keys >= 4; the partial group at the end is corrected by mask_chunk_edges).
   const int keys4 = static_cast<int>(p.keys & ~int64_t(3));
   ChunkLoads loads;
   loads.key_row = src.k + at.b * src.ks0 + ((int64_t(at.s) * kGroup) / src.per_key) * src.ks1;
@@ -329,12 +407,12 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     }
     for (int i = threadIdx.x; i < Counters::kWords; i += kThreads) counter_words[i] = 0;
     __syncthreads();
-    if (lo == at.base && hi == at.base + chunk) {
-      score_chunk<kGroup, true>(q, loads, first_batch, lo, hi, keys4, distance_words, counters);
-    } else {
-      score_chunk<kGroup, false>(q, loads, first_batch, lo, hi, keys4, distance_words, counters);
-    }
+    score_chunk<kGroup>(q, loads, first_batch, distance_words, counters);
     __syncthreads();
+    if (lo > at.base || hi < at.base + chunk) {  // block-uniform
+      mask_chunk_edges<kGroup>(q, loads.key_row, at.base, chunk, lo, hi, keys4, distance_words, counters);
+      __syncthreads();
+    }
     if (threadIdx.x < kBins) {
       const int bin = threadIdx.x;
       int32_t total = 0;  // lanes visited in a rotated order: no bank conflicts
@@ -346,10 +424,12 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   }
 
   if (probe_stop == kProbeAfterScoring) return;
+  timeline.mark(0);
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)
   // The attention after this kernel (launched programmatically) may now be scheduled: its blocks
   // take the multiprocessors as this grid's blocks leave, and wait for all of its writes.
   allow_dependent_launch();
+  timeline.mark(1);
   if (probe_stop == kProbeAfterBarrier) return;
 
   // ---- phase 2: threshold, then ordered compaction from shared memory ----
@@ -406,6 +486,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     }
   }
   __syncthreads();
+  timeline.mark(2);
   if (probe_stop == kProbeAfterThreshold) return;
   const int threshold = row_threshold;
   const int64_t skip = row_ties - (m - row_better);  // the earliest ties at T are dropped
@@ -416,7 +497,8 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   // stops either keeps all its ties or none: there, an entry is a distance below a limit (T + 1 or
   // T); only that boundary chunk counts better entries and ties apart.
   const int chunk_ties = chunk_histogram[threshold];
-  const bool split = !(ties_before >= skip || ties_before + chunk_ties <= skip);  // block-uniform
+  const bool split = probe_stop != kProbeNoSplit &&
+                     !(ties_before >= skip || ties_before + chunk_ties <= skip);  // block-uniform
   const int limit = !split && ties_before >= skip ? threshold + 1 : threshold;  // split: better entries only
   const int vectors_per_warp = chunk / (16 * kWarps), steps = vectors_per_warp / 32;
   const int first_vector = warp * vectors_per_warp;
@@ -442,6 +524,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     warp_ties[warp] = warp_tie_count;
   }
   __syncthreads();
+  timeline.mark(3);
   int better_base = 0, ties_base = 0;
 #pragma unroll
   for (int v = 0; v < kWarps; ++v) {
@@ -450,11 +533,13 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   }
   if (!split) {
     write_warp_entries<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes, 0,
-                                      better_base, 0, out);
+                                      better_base, 0, out, probe_stop != kProbeNoStores);
   } else {
     write_warp_entries<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes,
-                                     static_cast<int>(skip - ties_before), better_base, ties_base, out);
+                                     static_cast<int>(skip - ties_before), better_base, ties_base, out,
+                                     probe_stop != kProbeNoStores);
   }
+  timeline.finish(split, at.chunk_index);
 }
 
 // Chunk sizes: 4096 positions (one 512-position batch per warp, and one 512-position phase-2
@@ -478,8 +563,24 @@ int selection_probe() {
   if (std::strcmp(probe, "barrier") == 0) return kProbeAfterBarrier;
   if (std::strcmp(probe, "threshold") == 0) return kProbeAfterThreshold;
   if (std::strcmp(probe, "counts") == 0) return kProbeAfterCounts;
-  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold or counts (a timing aid), got '",
+  if (std::strcmp(probe, "nostores") == 0) return kProbeNoStores;
+  if (std::strcmp(probe, "nosplit") == 0) return kProbeNoSplit;
+  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores or nosplit "
+              "(a timing aid), got '",
               probe, "'");
+}
+
+// HASHATTENTION_SELECTION_TIMELINE=<device address> (scripts/probe_selection.py --timeline): where
+// the blocks write their timelines (see BlockTimeline); nullptr: unset.
+int32_t* selection_timeline() {
+  const char* value = std::getenv("HASHATTENTION_SELECTION_TIMELINE");
+  if (value == nullptr || *value == '\0') return nullptr;
+  char* end = nullptr;
+  const unsigned long long address = std::strtoull(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && address != 0 && address % 4 == 0,
+              "HASHATTENTION_SELECTION_TIMELINE must be the decimal device address of an int32 buffer (a timing aid), "
+              "got '", value, "'");
+  return reinterpret_cast<int32_t*>(static_cast<uintptr_t>(address));
 }
 
 // HASHATTENTION_SELECTION_CHUNK=<positions> (tests): only that chunk size is considered; when its
@@ -584,11 +685,12 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   SelectionParams params = p;
   HammingSource source = src;
   int probe_stop = selection_probe();
+  int32_t* timeline = selection_timeline();
   const auto stream = at::cuda::getCurrentCUDAStream();
   for (int64_t z = 0; z < batches; z += slice_batches) {
     for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
       int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
-      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop};
+      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline};
       const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
                       static_cast<unsigned>(std::min(slice_batches, batches - z)));
       C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
