@@ -166,13 +166,8 @@ def print_timeline(batch: int, n: int, args) -> None:
           f"clock {1 / us_per_cycle:.0f} MHz; min / median / p90 / max µs:")
     print(f"    {'blocks':<16} {'count':>5}  {'start':>22}  {'phase 1':>22}  {'barrier':>22}  {'threshold':>22}  "
           f"{'counts':>22}  {'writes':>22}  {'end':>22}")
-    for name, mask in (("all", torch.ones_like(split, dtype=torch.bool)), ("boundary (split)", split == 1),
-                       ("other", split == 0)):
-        if int(mask.sum()) == 0:
-            continue
-        cells = [percentiles(start[mask])] + [percentiles(phases[mask, k]) for k in range(5)] + [percentiles(end[mask])]
-        print(f"    {name:<16} {int(mask.sum()):5d}  " + "  ".join(f"{c:>22}" for c in cells))
-    groups = [(f"{k} blocks on its SM", per_sm[sm] == k) for k in range(1, int(per_sm.max()) + 1)]
+    groups = [("all", torch.ones_like(split, dtype=torch.bool)), ("boundary (split)", split == 1), ("other", split == 0)]
+    groups += [(f"{k} blocks on its SM", per_sm[sm] == k) for k in range(1, int(per_sm.max()) + 1)]
     groups += [(f"chunk {c}", chunk == c) for c in range(int(chunk.max()) + 1)]
     for name, mask in groups:
         if int(mask.sum()) == 0:

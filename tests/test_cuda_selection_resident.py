@@ -161,6 +161,9 @@ def test_grid_slices(monkeypatch, resident_blocks, group, pool):
     ("HASHATTENTION_SELECTION_CHUNK", "5000", "HASHATTENTION_SELECTION_CHUNK must be one of"),
     ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "0", "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"),
     ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "many", "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"),
+    ("HASHATTENTION_SELECTION_PROBE", "writes", "HASHATTENTION_SELECTION_PROBE must be scoring"),
+    ("HASHATTENTION_SELECTION_TIMELINE", "somewhere", "HASHATTENTION_SELECTION_TIMELINE must be the decimal device address"),
+    ("HASHATTENTION_SELECTION_TIMELINE", "6", "HASHATTENTION_SELECTION_TIMELINE must be the decimal device address"),
 ])
 def test_bad_test_aid_values_are_named(monkeypatch, variable, value, message):
     """The test aids' environment variables reject what they cannot mean, naming the variable."""

@@ -65,8 +65,8 @@ constexpr int kProbeNoStores = 5, kProbeNoSplit = 6;
 // Per-block timeline (HASHATTENTION_SELECTION_TIMELINE=<device address>, set by
 // scripts/probe_selection.py --timeline; never otherwise): each block of a launch writes
 // kTimelineWords ints at timeline[linear block index * kTimelineWords]: its multiprocessor (bits
-// 0-15; bit 16 set for a boundary chunk that splits its ties; its chunk index from bit 17), %globaltimer's low word at its start,
-// its clock64 cycles from the start to the end of phase 1, the grid barrier, the threshold, the
+// 0-15; bit 16 set for a boundary chunk that splits its ties; its chunk index from bit 17),
+// %globaltimer's low word at its start, its clock64 cycles from the start to the end of phase 1, the grid barrier, the threshold, the
 // warps' offsets and the end of its writes, and %globaltimer's low word at its end. Blocks that
 // leave phase 2 early write nothing.
 constexpr int kTimelineWords = 8;
@@ -243,14 +243,14 @@ __device__ __forceinline__ void mask_chunk_edges(const unsigned (&q)[kGroup], co
                                                  int chunk, int lo, int hi, int keys4, unsigned* distance_words,
                                                  const PhaseOneCounters<kGroup>& counters) {
   auto* bytes = reinterpret_cast<unsigned char*>(distance_words);
-  for (int i = threadIdx.x; i < lo - base; i += kThreads) {
-    counters.remove(bytes[i]);
-    bytes[i] = DistanceBytes<kGroup>::kOutside;
-  }
-  for (int i = hi - base + threadIdx.x; i < chunk; i += kThreads) {
-    counters.remove(bytes[i]);
-    bytes[i] = DistanceBytes<kGroup>::kOutside;
-  }
+  const auto take_out = [&](int from, int to) {  // chunk offsets [from, to)
+    for (int i = from + static_cast<int>(threadIdx.x); i < to; i += kThreads) {
+      counters.remove(bytes[i]);
+      bytes[i] = DistanceBytes<kGroup>::kOutside;
+    }
+  };
+  take_out(0, lo - base);
+  take_out(hi - base, chunk);
   const int position = max(keys4, lo) + static_cast<int>(threadIdx.x);
   if (position < hi && threadIdx.x < 4) {
     const unsigned key = static_cast<unsigned>(__ldg(key_row + position));
