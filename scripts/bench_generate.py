@@ -657,7 +657,8 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
         "kernel_us_per_step": total, "category_us_per_step": categories,
         "attention_and_selection_share_of_kernel_time":
             (categories.get("attention", 0.0) + categories.get("selection", 0.0)) / total if total else None,
-        "host_sync_calls_per_step": syncs, "top_kernels": kernels[:15],
+        "host_sync_calls_per_step": syncs, "launches_per_step": sum(k["launches_per_step"] for k in kernels),
+        "top_kernels": kernels[:40],
     }
 
 

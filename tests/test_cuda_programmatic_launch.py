@@ -1,7 +1,9 @@
-"""The attention launched programmatically after the selection (sm_90) reads this step's indices.
+"""The attention launched programmatically after the selection (sm_90) reads this step's indices, and
+the selection, launched programmatically too, reads this step's signatures.
 
 `sparse_attention` may start while the selection before it is still writing (programmatic dependent
-launch, csrc/cuda/programmatic_launch.cuh): its blocks must wait for that grid before their first
+launch, csrc/cuda/programmatic_launch.cuh), and the one-launch `hamming_topk` while the kernel that
+wrote its signatures still runs: their blocks must wait for those grids before their first
 read. A missing or misplaced wait shows as attention over the previous step's indices, or over a
 half-written list. Each step here draws new signatures, so consecutive selections differ, and the
 attention is checked against the float64 reference over the indices the step itself selected.
@@ -59,8 +61,13 @@ def test_attention_after_selection_reads_this_steps_indices(monkeypatch, program
 
     if captured:
         graph, outputs = capture_cuda_graph(step)
+    # New signatures each step, written by kernels (an elementwise XOR on the device) right before the
+    # selection, which is itself launched programmatically: it must wait for them before reading.
+    key_base = random_signatures(k_sig.shape, g).cuda()
     for s in range(steps):
         q_sig.copy_(random_signatures(q_sig.shape, g))
+        key_flips = random_signatures(k_sig.shape, g).cuda()
+        torch.bitwise_xor(key_base, key_flips, out=k_sig)
         if captured:
             graph.replay()
         else:

@@ -12,7 +12,7 @@
 //            same-address conflicts when distances cluster) and writes the chunk histogram to
 //            global memory;
 //   grid-wide barrier;
-//   phase 2: each block sums its row's chunk histograms (from L2), finds by one block scan the
+//   phase 2: each block sums its row's chunk histograms (from L2), finds by one warp scan the
 //            threshold distance T (the smallest with count(d <= T) >= m) and how many of its
 //            ties to drop (the earliest); each warp counts the entries of its contiguous segment
 //            of the chunk, takes its offset from the other warps' counts, and walks the segment
@@ -370,7 +370,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   __shared__ uint32_t counter_words[Counters::kWords];
   __shared__ int32_t chunk_histogram[kBins];
   __shared__ int32_t warp_better[kWarps], warp_ties[kWarps];
-  __shared__ int64_t scan_scratch[kWarps];
   __shared__ int32_t row_threshold;
   __shared__ int64_t row_better, row_better_before, row_ties_before, row_ties;
   const Counters counters{counter_words};
@@ -390,6 +389,9 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
+  // Launched programmatically (see launch_for_group), this block may be placed while the kernel
+  // before it still runs: nothing global is read before that grid is done.
+  wait_for_prerequisite_grids();
   loads.load(0, first_batch);
 
   const RowWindow w = p.window(at.b, at.l);
@@ -444,16 +446,28 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
 
   // Per bin: the row's count, and the count in the chunks before this one. kParts threads per
   // bin each sum every kParts-th chunk (loads from L2: written by other blocks in this launch),
-  // then combine their sums through shared memory (the counters are free again).
+  // four chunks' loads in flight at a time; warp 0 then adds the parts and finds the threshold by
+  // one warp scan. (A block-wide scan here cost three more barriers.) The counters are free: the
+  // grid barrier ordered phase 1's last reads of them before these writes.
   const int c_first = static_cast<int>(w.sink_end / chunk), c_last = static_cast<int>((w.local_begin - 1) / chunk);
   const int bin = threadIdx.x % kBins, part = threadIdx.x / kBins;
   int32_t* part_sums = reinterpret_cast<int32_t*>(counter_words);  // [part][bin][total, before]
   static_assert(Counters::kWords >= kParts * kBins * 2, "the part sums fit the counters");
-  __syncthreads();  // the counters were last read in phase 1
   if (part < kParts) {
     const int32_t* h = histograms + int64_t(at.row) * chunks * kBins + bin;
     int32_t total = 0, before = 0;
-    for (int c = c_first + part; c <= c_last; c += kParts) {
+    int c = c_first + part;
+    for (; c + 3 * kParts <= c_last; c += 4 * kParts) {
+      int32_t x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = __ldcg(h + int64_t(c + u * kParts) * kBins);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        total += x[u];
+        before += c + u * kParts < at.chunk_index ? x[u] : 0;
+      }
+    }
+    for (; c <= c_last; c += kParts) {
       const int32_t x = __ldcg(h + int64_t(c) * kBins);
       total += x;
       before += c < at.chunk_index ? x : 0;
@@ -462,27 +476,45 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     part_sums[(part * kBins + bin) * 2 + 1] = before;
   }
   __syncthreads();
-  int64_t total = 0, before = 0;
-  if (threadIdx.x < kBins) {
+  if (warp == 0) {
+    // Lane l owns bins l * kBinsPerLane, ... (contiguous, so one scan of the lanes' sums orders
+    // them). Both counts travel in one int64 (each < 2^31: the halves never carry into each other).
+    constexpr int kBinsPerLane = (kBins + 31) / 32;
+    constexpr int64_t kLow = 0xffffffffll;
+    int64_t counts[kBinsPerLane], lane_sum = 0;
 #pragma unroll
-    for (int k = 0; k < kParts; ++k) {
-      total += part_sums[(k * kBins + threadIdx.x) * 2];
-      before += part_sums[(k * kBins + threadIdx.x) * 2 + 1];
+    for (int j = 0; j < kBinsPerLane; ++j) {
+      const int b = lane * kBinsPerLane + j;
+      int64_t total = 0, before = 0;
+      if (b < kBins) {
+#pragma unroll
+        for (int k = 0; k < kParts; ++k) {
+          total += part_sums[(k * kBins + b) * 2];
+          before += part_sums[(k * kBins + b) * 2 + 1];
+        }
+      }
+      counts[j] = total | (before << 32);
+      lane_sum += counts[j];
     }
-  }
-  // One scan of both counts (each < 2^31, so the halves never carry into each other): counts of
-  // the distances below each bin, in the row and in the chunks before this one.
-  constexpr int64_t kLow = 0xffffffffll;
-  int64_t scan_total;
-  const int64_t exclusive = block_exclusive_scan(total | (before << 32), scan_scratch, scan_total);
-  if (threadIdx.x < kBins) {
-    const int64_t below = exclusive & kLow;
-    if (below < m && below + total >= m) {  // exactly one bin: 0 < m < n
-      row_threshold = threadIdx.x;
-      row_better = below;
-      row_better_before = exclusive >> 32;
-      row_ties_before = before;
-      row_ties = total;
+    int64_t inclusive = lane_sum;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int64_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    int64_t exclusive = inclusive - lane_sum;  // counts of the distances below this lane's first bin
+#pragma unroll
+    for (int j = 0; j < kBinsPerLane; ++j) {
+      const int b = lane * kBinsPerLane + j;
+      const int64_t below = exclusive & kLow, total = counts[j] & kLow;
+      if (b < kBins && below < m && below + total >= m) {  // exactly one bin: 0 < m < n
+        row_threshold = b;
+        row_better = below;
+        row_better_before = exclusive >> 32;
+        row_ties_before = counts[j] >> 32;
+        row_ties = total;
+      }
+      exclusive += counts[j];
     }
   }
   __syncthreads();
@@ -687,14 +719,29 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   int probe_stop = selection_probe();
   int32_t* timeline = selection_timeline();
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const bool programmatic = programmatic_launch_allowed(reinterpret_cast<const void*>(kernel));
   for (int64_t z = 0; z < batches; z += slice_batches) {
     for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
       int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
       void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline};
       const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
                       static_cast<unsigned>(std::min(slice_batches, batches - z)));
-      C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, dim3(kThreads), args,
-                                                 static_cast<size_t>(chunk), stream));
+      // Cooperative (every block resident: the grid barrier cannot deadlock) and, where allowed,
+      // programmatic: the blocks are placed while the kernel before finishes, and wait for it
+      // before their first global read.
+      cudaLaunchAttribute attributes[2]{};
+      attributes[0].id = cudaLaunchAttributeCooperative;
+      attributes[0].val.cooperative = 1;
+      attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attributes[1].val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid;
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = static_cast<size_t>(chunk);
+      config.stream = stream;
+      config.attrs = attributes;
+      config.numAttrs = programmatic ? 2 : 1;
+      C10_CUDA_CHECK(cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args));
     }
   }
   return true;
