@@ -153,6 +153,54 @@ def test_encode_weights_at_unaligned_addresses(device, misaligned, weight_dtype)
                MARGIN[(device, torch.bfloat16)])
 
 
+# bf16 weights at decode sizes run on tensor cores (encode_mma.cu) when every width is a multiple of
+# 16 up to 256 and a head has 5 to 16 rows (batch * tokens); the rest stays on the float32 kernel.
+# These shapes sit on both sides of each limit, and each runs under the automatic choice and under
+# each kernel forced (HASHATTENTION_ENCODER=fma / mma; "mma" also takes 1-4 rows; on the CPU the
+# variable means nothing).
+@pytest.mark.parametrize(
+    "batch,tokens,sizes",
+    [
+        (4, 4, (128, 128, 128, 32)),  # 16 rows: the tensor-core limit, the paper's MLP
+        (5, 1, (128, 128, 32)),  # 5 rows: the fewest the automatic choice puts on tensor cores
+        (4, 1, (128, 128, 32)),  # 4 rows: the float32 kernel unless forced
+        (17, 1, (128, 128, 32)),  # 17 rows: the float32 kernel
+        (3, 2, (256, 256, 64)),  # the widest tensor-core layer, two words
+        (2, 3, (128, 272, 32)),  # too wide: the float32 kernel
+        (3, 3, (64, 120, 32)),  # a width that is not a multiple of 16: the float32 kernel
+        (5, 2, (16, 96)),  # one layer, three words
+        (1, 1, (128, 128, 128, 32)),  # one row (a batch-1 decode step)
+    ],
+)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["auto", "fma", "mma"])
+def test_encode_bf16_weights_on_both_kernels(device, monkeypatch, batch, tokens, sizes, x_dtype, kernel):
+    if device == "cpu" and kernel != "auto":
+        pytest.skip("HASHATTENTION_ENCODER chooses between CUDA kernels")
+    if kernel != "auto":
+        monkeypatch.setenv("HASHATTENTION_ENCODER", kernel)
+    heads = 3
+    g = generator_for("encode-bf16-kernels", device, batch, tokens, sizes, x_dtype)
+    # Inputs of a few units' magnitude, so that a float32 x needs both bf16 halves to stay exact enough.
+    x = (3 * torch.randn(batch, tokens, heads, sizes[0], generator=g)).to(x_dtype).to(device).transpose(1, 2)
+    weights, biases = make_mlp(heads, list(sizes), g, torch.bfloat16, device)
+    signatures = ha.encode_signatures(x, weights, biases, "silu")
+    assert signatures.shape == (batch, heads, tokens, sizes[-1] // 32)
+    pre_sign = reference.mlp_outputs(x.cpu(), [w.cpu() for w in weights], [b.cpu() for b in biases], "silu")
+    check_bits(signatures, pre_sign, MARGIN[(device, x_dtype)])
+
+
+def test_encode_rejects_unknown_kernel_choice(device, monkeypatch):
+    if device == "cpu":
+        pytest.skip("HASHATTENTION_ENCODER chooses between CUDA kernels")
+    monkeypatch.setenv("HASHATTENTION_ENCODER", "tensor")
+    g = generator_for("encode-kernel-choice", device)
+    x = torch.randn(1, 2, 1, 64, generator=g).to(torch.bfloat16).to(device)
+    weights, biases = make_mlp(2, [64, 32], g, torch.bfloat16, device)
+    with pytest.raises(RuntimeError, match="HASHATTENTION_ENCODER must be fma or mma"):
+        ha.encode_signatures(x, weights, biases)
+
+
 def test_encode_mixed_weight_dtypes(device):
     """Layers in different dtypes (the fused CUDA kernel takes one dtype) still encode correctly."""
     g = generator_for("encode-mixed-layers", device)
