@@ -37,7 +37,8 @@ constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kTileRows = 16;        // rows of one head per block: one m16 tile
 // Up to this many rows per head the float32 kernel is as fast or faster: this kernel's time is
-// ~10 us at any row count (staging and prologue), the float32 one's grows with the rows
+// ~10 us at any row count (not yet profiled: the cp.async staging and the prologue are the first
+// suspects), the float32 one's grows with the rows
 // (scripts/bench_encode.py, H200, pair launch of the paper's MLP on 32 + 32 heads, float32 / this
 // kernel: 7.5 / 9.9 us at B = 1, 10.3 / 10.1 at 4, 12.1 / 10.2 at 8, 14.7 / 10.5 at 16).
 constexpr int64_t kMinMmaRows = 4;
