@@ -1,5 +1,5 @@
 // Small pieces shared by the CUDA kernels: launch checks, per-sequence parameters of the
-// selection ops read on the device, and block-wide scans for blocks of kThreads threads.
+// selection ops read on the device, and the ordered compaction of a top-k row by a block of kThreads threads.
 //
 // Device-side semantics where the CPU kernels would raise on *values* (the CUDA kernels never
 // read device data on the host, so they cannot raise without a host sync):
@@ -88,30 +88,6 @@ __device__ __forceinline__ void write_fixed_part_of_row(const SelectionParams& p
   }
   for (int64_t i = count + threadIdx.x; i < p.width; i += blockDim.x) out[i] = -1;
   if (threadIdx.x == 0) p.counts[row] = static_cast<int32_t>(count);
-}
-
-// Exclusive prefix sum over the kThreads threads of a block; `total` receives the sum.
-// `scratch` holds kWarps ints of shared memory. Contains barriers: call from every thread.
-__device__ __forceinline__ int64_t block_exclusive_scan(int64_t value, int64_t* scratch, int64_t& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int64_t inclusive = value;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int64_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
-  if (lane == 31) scratch[warp] = inclusive;
-  __syncthreads();
-  int64_t warp_prefix = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const int64_t t = scratch[w];
-    if (w < warp) warp_prefix += t;
-    total += t;
-  }
-  __syncthreads();  // scratch may be reused right after
-  return warp_prefix + inclusive - value;
 }
 
 // Writes, in position order, the elements of [0, n) that a top-k selection keeps, given

@@ -91,10 +91,6 @@ __device__ __forceinline__ void split_pair(float2 v, unsigned& hi, unsigned& lo)
   lo = bf16_pair_bits(__floats2bfloat162_rn(v.x - __low2float(h), v.y - __high2float(h)));
 }
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(at::Half v) { return static_cast<float>(v); }
-__device__ __forceinline__ float to_float(at::BFloat16 v) { return static_cast<float>(v); }
-
 constexpr int kBatch = 4;  // k-steps of 16 whose loads are issued together
 
 // kSteps k-steps of 16 from input column k0: this warp's column slices of act (kTileRows x fan_in,
@@ -198,7 +194,7 @@ __global__ void __launch_bounds__(kMmaThreads) mma_mlp_sign_kernel(MmaLaunch lau
   }
   if (k < d) {
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) act[r * stride + k] = r < rows ? to_float(inputs[r]) : 0.0f;
+    for (int r = 0; r < kTileRows; ++r) act[r * stride + k] = r < rows ? static_cast<float>(inputs[r]) : 0.0f;
   }
   copy_async_wait_all();
   __syncthreads();  // the inputs and every thread's copies are in place

@@ -729,19 +729,10 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
       // Cooperative (every block resident: the grid barrier cannot deadlock) and, where allowed,
       // programmatic: the blocks are placed while the kernel before finishes, and wait for it
       // before their first global read.
-      cudaLaunchAttribute attributes[2]{};
-      attributes[0].id = cudaLaunchAttributeCooperative;
-      attributes[0].val.cooperative = 1;
-      attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attributes[1].val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t config{};
-      config.gridDim = grid;
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = static_cast<size_t>(chunk);
-      config.stream = stream;
-      config.attrs = attributes;
-      config.numAttrs = programmatic ? 2 : 1;
-      C10_CUDA_CHECK(cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args));
+      KernelLaunch launch(grid, dim3(kThreads), static_cast<size_t>(chunk), stream);
+      launch.cooperative();
+      if (programmatic) launch.programmatic();
+      C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));
     }
   }
   return true;

@@ -1,6 +1,8 @@
-// Programmatic dependent launch (sm_90): device side, and the host's check of which kernels may
-// use it (programmatic_launch.cu).
+// Programmatic dependent launch (sm_90): device side, the host's check of which kernels may use it
+// (programmatic_launch.cu), and the launch configuration that carries it.
 #pragma once
+
+#include <cuda_runtime.h>
 
 namespace hashattention {
 namespace cuda {
@@ -29,6 +31,42 @@ __device__ __forceinline__ void allow_dependent_launch() {
 // timing aid HASHATTENTION_PROGRAMMATIC_LAUNCH (0: never, for A/B measurements) does not turn it
 // off. Asked from the driver once per (device, kernel).
 bool programmatic_launch_allowed(const void* kernel);
+
+// A configuration for cudaLaunchKernelExC with the launch attributes this package uses: thread-block
+// clusters, cooperative launch (every block resident at once) and programmatic stream serialization
+// (the kernel must then wait as above). Not copyable: the configuration points at its own attributes.
+struct KernelLaunch {
+  cudaLaunchAttribute attributes[3]{};
+  cudaLaunchConfig_t config{};
+
+  KernelLaunch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream) {
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    config.attrs = attributes;
+  }
+  KernelLaunch(const KernelLaunch&) = delete;
+  KernelLaunch& operator=(const KernelLaunch&) = delete;
+
+  void cluster(dim3 dims) {
+    cudaLaunchAttribute& a = attributes[config.numAttrs++];
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = dims.x;
+    a.val.clusterDim.y = dims.y;
+    a.val.clusterDim.z = dims.z;
+  }
+  void cooperative() {
+    cudaLaunchAttribute& a = attributes[config.numAttrs++];
+    a.id = cudaLaunchAttributeCooperative;
+    a.val.cooperative = 1;
+  }
+  void programmatic() {
+    cudaLaunchAttribute& a = attributes[config.numAttrs++];
+    a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    a.val.programmaticStreamSerializationAllowed = 1;
+  }
+};
 
 }  // namespace cuda
 }  // namespace hashattention

@@ -73,39 +73,6 @@ int64_t resident_blocks_per_sm(AttentionKernel kernel) {
   return it->second;
 }
 
-// The launch configuration of the attention kernel: clusters of (1, splits) -- a unit's splits, as
-// the cluster merge needs -- where `cluster_splits` > 0, and programmatic stream serialization
-// where `programmatic` (the kernel may start while the selection before it finishes: its blocks
-// are placed and run up to their wait while the selection's last blocks write. H200, B = 1, 32x,
-// select + attend per query head: 42.3 -> 40.9 us at 128K, 21.3 -> 20.0-20.5 at 32K, level at
-// 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md). Not copyable: the
-// configuration points at its own attributes.
-struct AttentionLaunch {
-  cudaLaunchAttribute attributes[2]{};
-  cudaLaunchConfig_t config{};
-
-  AttentionLaunch(dim3 grid, int64_t cluster_splits, bool programmatic, cudaStream_t stream) {
-    config.gridDim = grid;
-    config.blockDim = dim3(kAttentionThreads);
-    config.stream = stream;
-    config.attrs = attributes;
-    if (cluster_splits > 0) {
-      cudaLaunchAttribute& cluster = attributes[config.numAttrs++];
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 1;
-      cluster.val.clusterDim.y = static_cast<unsigned>(cluster_splits);
-      cluster.val.clusterDim.z = 1;
-    }
-    if (programmatic) {
-      cudaLaunchAttribute& serialization = attributes[config.numAttrs++];
-      serialization.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      serialization.val.programmaticStreamSerializationAllowed = 1;
-    }
-  }
-  AttentionLaunch(const AttentionLaunch&) = delete;
-  AttentionLaunch& operator=(const AttentionLaunch&) = delete;
-};
-
 // Clusters of `size` blocks of `kernel` that the device holds at once (0 where clusters of that
 // size cannot run: before sm_90, or a kernel built for an older architecture), asked from the
 // driver once per (device, kernel, size).
@@ -126,7 +93,8 @@ int64_t resident_clusters(AttentionKernel kernel, int size) {
       if (size > 8) {  // beyond the portable cluster size: opt in
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       }
-      const AttentionLaunch launch(dim3(1, static_cast<unsigned>(size)), size, false, nullptr);
+      KernelLaunch launch(dim3(1, static_cast<unsigned>(size)), dim3(kAttentionThreads), 0, nullptr);
+      launch.cluster(dim3(1, static_cast<unsigned>(size), 1));
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess) {
         (void)cudaGetLastError();  // not launchable as such a cluster: use the counters
         clusters = 0;
@@ -276,10 +244,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
   void* args[] = {&p};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // Programmatic launch only where no counters' memset sits between the selection and this kernel
-  // (programmatic edges join two kernels; the memset must stay ordered before every block).
-  const bool programmatic = !counters.defined() && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel));
-  const AttentionLaunch launch(grid, cluster_merge ? splits : 0, programmatic, stream);
+  // Clusters of (1, splits) -- a unit's splits, as the cluster merge needs -- and programmatic stream
+  // serialization: the kernel may start while the selection before it finishes (its blocks are
+  // placed and run up to their wait while the selection's last blocks write. H200, B = 1, 32x,
+  // select + attend per query head: 42.3 -> 40.9 us at 128K, 21.3 -> 20.0-20.5 at 32K, level at
+  // 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md), but only where no counters'
+  // memset sits between the selection and this kernel (programmatic edges join two kernels; the
+  // memset must stay ordered before every block).
+  KernelLaunch launch(grid, dim3(kAttentionThreads), 0, stream);
+  if (cluster_merge) launch.cluster(dim3(1, static_cast<unsigned>(splits), 1));
+  if (!counters.defined() && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel))) launch.programmatic();
   C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
