@@ -29,7 +29,7 @@ outside a patched model) the function is plain SDPA.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -93,28 +93,31 @@ def start_positions_from_mask(attention_mask: Optional[Tensor], batch_size: int,
 def selection_bounds(
     config: HashAttentionConfig,
     attention_mask: Optional[Tensor],
-    lengths: Tensor,
+    valid_lengths: Callable[[], Tensor],
+    batch_size: int,
     device,
     cache_layer=None,
     start_layer=None,
-) -> Tuple[Tensor, Tensor]:
-    """int32 ``(B,)`` left-padding offsets and heavy-token budgets, once per forward pass.
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """int32 ``(B,)`` valid lengths, left-padding offsets and heavy-token budgets, once per forward pass.
 
+    ``valid_lengths()`` gives this layer's lengths; it is only called when they are not loaded.
     ``start_layer`` is the signature cache layer of the model's first sparse layer (or None). When
-    it is this call's own ``cache_layer``, both are computed and stored there; later layers load
-    them (see :class:`hashattention.cache.SharedSelectionBounds`). Without a mask (no padding)
-    there is nothing to reduce and each layer computes its budgets.
+    it is this call's own ``cache_layer``, all three are computed and stored there; later layers
+    load them (see :class:`hashattention.cache.SharedSelectionBounds`): every layer of a forward
+    has appended the same tokens by its attention. Without a mask (no padding) there is nothing
+    to reduce and each layer computes its own.
     """
-    batch_size = lengths.shape[0]
     if attention_mask is not None and start_layer is not None and start_layer is not cache_layer:
         stored = start_layer.selection_bounds.load(attention_mask, batch_size)
         if stored is not None:
-            return stored[0].to(device), stored[1].to(device)
+            return tuple(t.to(device) for t in stored)
+    lengths = valid_lengths()
     start_positions = start_positions_from_mask(attention_mask, batch_size, device)
     budgets = heavy_budgets(config, lengths - start_positions)
     if attention_mask is not None and start_layer is not None and start_layer is cache_layer:
-        start_layer.selection_bounds.store(start_positions, budgets, attention_mask)
-    return start_positions, budgets
+        start_layer.selection_bounds.store(lengths, start_positions, budgets, attention_mask)
+    return lengths, start_positions, budgets
 
 
 def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
@@ -205,13 +208,17 @@ def hashattention_attention_forward(
     sparse_query = query[:, :, rows - sparse_rows :]
     if cache_layer is None:  # no cache (use_cache=False): encode the keys of this call
         query_signatures, key_signatures = runtime.adapter.decode_signatures(sparse_query, key)
-        lengths = torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
+
+        def valid_lengths():
+            return torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
     else:
         # Writes the keys this forward appended before the selection below reads them.
         query_signatures, key_signatures = cache_layer.query_and_key_signatures(sparse_query)
-        lengths = cache_layer.valid_lengths(batch, query.device)
-    start_positions, budgets = selection_bounds(
-        runtime.config, attention_mask, lengths, query.device, cache_layer, start_layer
+
+        def valid_lengths():
+            return cache_layer.valid_lengths(batch, query.device)
+    lengths, start_positions, budgets = selection_bounds(
+        runtime.config, attention_mask, valid_lengths, batch, query.device, cache_layer, start_layer
     )
 
     sparse_out = select_and_attend(

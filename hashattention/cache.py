@@ -59,15 +59,18 @@ def aligned_copy(signatures: Tensor) -> Tensor:
 
 
 class SharedSelectionBounds:
-    """Each forward pass's left-padding offsets and heavy-token budgets, computed once for all layers.
+    """Each forward pass's valid lengths, left-padding offsets and heavy-token budgets, computed
+    once for all layers.
 
     Every attention layer of a forward pass gets the same boolean mask and the same number of
     valid keys. Reducing the mask to the ``(B,)`` offsets is a pass over ``B x N`` entries (H200,
-    128K, B = 4: ~11 us per layer, 0.36 ms per decode step when each layer did it). The first
-    sparse layer of each forward computes the offsets and the budgets and :meth:`store` s them
-    here (on its own cache layer); later layers :meth:`load` them.
+    128K, B = 4: ~11 us per layer, 0.36 ms per decode step when each layer did it), and even the
+    lengths and budgets alone were one small kernel per layer in a compiled step (each layer
+    reads its own length counter: 48 launches, 53 us per step at B = 4 / 128K). The first sparse
+    layer of each forward computes all three and :meth:`store` s them here (on its own cache
+    layer); later layers :meth:`load` them.
 
-    ``start_positions`` and ``budgets`` are int32 ``(B,)`` device tensors. A static cache
+    ``lengths``, ``start_positions`` and ``budgets`` are int32 ``(B,)`` device tensors. A static cache
     preallocates them, so a store is an in-place copy into fixed addresses (CUDA-graph safe); a
     dynamic cache keeps the tensors. ``mask`` remembers, outside torch.compile, which mask they
     came from, so that a layer called on its own with another mask recomputes instead of reading
@@ -75,34 +78,37 @@ class SharedSelectionBounds:
     """
 
     def __init__(self):
+        self.lengths: Optional[Tensor] = None
         self.start_positions: Optional[Tensor] = None
         self.budgets: Optional[Tensor] = None
         self.mask: Optional[Tensor] = None
 
     def allocate(self, batch_size: int, device) -> None:
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.start_positions = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.budgets = torch.zeros(batch_size, dtype=torch.int32, device=device)
         if not is_torchdynamo_compiling():
-            torch._dynamo.mark_static_address(self.start_positions)
-            torch._dynamo.mark_static_address(self.budgets)
+            for buffer in (self.lengths, self.start_positions, self.budgets):
+                torch._dynamo.mark_static_address(buffer)
 
-    def store(self, start_positions: Tensor, budgets: Tensor, mask: Tensor) -> None:
+    def store(self, lengths: Tensor, start_positions: Tensor, budgets: Tensor, mask: Tensor) -> None:
         if self.start_positions is not None and self.start_positions.shape == start_positions.shape:
+            self.lengths.copy_(lengths)
             self.start_positions.copy_(start_positions)
             self.budgets.copy_(budgets)
         else:
-            self.start_positions, self.budgets = start_positions, budgets
+            self.lengths, self.start_positions, self.budgets = lengths, start_positions, budgets
         if not is_torchdynamo_compiling():
             self.mask = mask
 
-    def load(self, mask: Tensor, batch_size: int) -> Optional[Tuple[Tensor, Tensor]]:
-        """``(start_positions, budgets)`` if they belong to ``mask`` (always assumed under
+    def load(self, mask: Tensor, batch_size: int) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+        """``(lengths, start_positions, budgets)`` if they belong to ``mask`` (always assumed under
         torch.compile), else None."""
         if self.start_positions is None or self.start_positions.shape[0] != batch_size:
             return None
         if not is_torchdynamo_compiling() and self.mask is not mask:
             return None
-        return self.start_positions, self.budgets
+        return self.lengths, self.start_positions, self.budgets
 
 
 class SignatureDynamicLayer(DynamicLayer):

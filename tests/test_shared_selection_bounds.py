@@ -1,11 +1,11 @@
-"""Left-padding offsets and budgets are computed once per forward pass and shared by every sparse layer."""
+"""Valid lengths, left-padding offsets and budgets are computed once per forward pass and shared by every sparse layer."""
 
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
 import hashattention.attention as attention_module
-from hashattention.cache import SharedSelectionBounds
+from hashattention.cache import SIGNATURE_LAYERS, SharedSelectionBounds
 from hashattention.config import HashAttentionConfig
 from hashattention.patching import patch
 
@@ -50,7 +50,7 @@ def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_la
 
     with patch(model, adapters, config):
         shared = decode(model, ids, mask, make_cache(), steps=3)
-    calls = []
+    calls, length_reads = [], []
     original = attention_module.start_positions_from_mask
 
     def counting(*args, **kwargs):
@@ -58,13 +58,21 @@ def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_la
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attention_module, "start_positions_from_mask", counting)
+    for layer_type in SIGNATURE_LAYERS:
+        def counting_lengths(self, *args, _original=layer_type.valid_lengths, **kwargs):
+            length_reads.append(1)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(layer_type, "valid_lengths", counting_lengths)
     with patch(model, adapters, config):
         decode(model, ids, mask, make_cache(), steps=3)
     assert len(calls) == 4, f"{len(calls)} reductions for 4 forward passes"
+    assert len(length_reads) == 4, f"{len(length_reads)} reads of the valid lengths for 4 forward passes"
     # Every layer computing its own offsets and budgets (no start layer) gives the same logits.
     selection_bounds = attention_module.selection_bounds
     monkeypatch.setattr(attention_module, "selection_bounds",
-                        lambda config, mask, lengths, device, *layers: selection_bounds(config, mask, lengths, device))
+                        lambda config, mask, lengths, batch, device, *layers: selection_bounds(
+                            config, mask, lengths, batch, device))
     with patch(model, adapters, config):
         per_layer = decode(model, ids, mask, make_cache(), steps=3)
     for step, (got, want) in enumerate(zip(shared, per_layer)):
@@ -115,12 +123,14 @@ def test_shared_bounds_are_not_read_for_another_mask_or_batch():
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     assert shared.load(mask, 2) is None
     shared.allocate(2, "cpu")
+    lengths = torch.tensor([9, 8], dtype=torch.int32)
     starts, budgets = torch.tensor([3, 0], dtype=torch.int32), torch.tensor([5, 7], dtype=torch.int32)
-    storage = (shared.start_positions, shared.budgets)
-    shared.store(starts, budgets, mask)
-    assert shared.start_positions is storage[0] and shared.budgets is storage[1], "buffers are written in place"
+    storage = (shared.lengths, shared.start_positions, shared.budgets)
+    shared.store(lengths, starts, budgets, mask)
+    assert all(a is b for a, b in zip((shared.lengths, shared.start_positions, shared.budgets), storage)), \
+        "buffers are written in place"
     loaded = shared.load(mask, 2)
-    assert torch.equal(loaded[0], starts) and torch.equal(loaded[1], budgets)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, (lengths, starts, budgets)))
     assert shared.load(mask.clone(), 2) is None
     assert shared.load(mask, 3) is None
 
