@@ -75,9 +75,26 @@ std::tuple<at::Tensor, at::Tensor> encode_signatures_pair_cpu(const at::Tensor& 
           encode_signatures_cpu(repeat_x_heads(key, dims.key.heads), key_weights, key_biases, activation)};
 }
 
+// The pair with the key signatures stored into the cache at `positions` (checked here: on the CPU
+// the values can be read without a sync).
+at::Tensor encode_signatures_pair_into_cpu(const at::Tensor& query, at::TensorList query_weights,
+                                           at::TensorList query_biases, const at::Tensor& key,
+                                           at::TensorList key_weights, at::TensorList key_biases,
+                                           at::Tensor& key_signatures, const at::Tensor& positions,
+                                           c10::string_view activation) {
+  check_encode_pair_into_args(query, query_weights.vec(), query_biases.vec(), key, key_weights.vec(),
+                              key_biases.vec(), key_signatures, positions, std::string(activation));
+  check_store_positions_cpu(positions, key_signatures.size(2));
+  auto [query_out, key_out] =
+      encode_signatures_pair_cpu(query, query_weights, query_biases, key, key_weights, key_biases, activation);
+  key_signatures.index_copy_(2, positions, key_out);
+  return query_out;
+}
+
 TORCH_LIBRARY_IMPL(hashattention, CPU, m) {
   m.impl("encode_signatures", &encode_signatures_cpu);
   m.impl("encode_signatures_pair", &encode_signatures_pair_cpu);
+  m.impl("encode_signatures_pair_into", &encode_signatures_pair_into_cpu);
   m.impl("pack_signs", &pack_signs_cpu);
 }
 

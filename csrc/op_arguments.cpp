@@ -89,6 +89,41 @@ EncodePairDims check_encode_pair_args(const at::Tensor& query, const std::vector
   return EncodePairDims{q, k};
 }
 
+EncodePairDims check_encode_pair_into_args(const at::Tensor& query, const std::vector<at::Tensor>& query_weights,
+                                           const std::vector<at::Tensor>& query_biases, const at::Tensor& key,
+                                           const std::vector<at::Tensor>& key_weights,
+                                           const std::vector<at::Tensor>& key_biases, const at::Tensor& key_signatures,
+                                           const at::Tensor& positions, const std::string& activation) {
+  const EncodePairDims dims =
+      check_encode_pair_args(query, query_weights, query_biases, key, key_weights, key_biases, activation);
+  const EncodeDims& k = dims.key;
+  check_int32(key_signatures, "key_signatures");
+  check_same_device(key_signatures, key, "key_signatures", "key");
+  check_dim(key_signatures, 4, "key_signatures", "(batch, key heads, slots, words)");
+  TORCH_CHECK_VALUE(key_signatures.size(0) == k.batch && key_signatures.size(1) == k.heads &&
+                        key_signatures.size(2) >= 1 && key_signatures.size(3) == k.words,
+                    "key_signatures must have shape (", as_text(k.batch), ", ", as_text(k.heads), ", slots >= 1, ",
+                    as_text(k.words), ") for key of shape ", as_text(key.sizes()), " and ", as_text(k.heads),
+                    " key MLP heads of ", as_text(k.bits), " bits, got ", as_text(key_signatures.sizes()));
+  check_dtype(positions, at::kLong, "positions");
+  check_same_device(positions, key, "positions", "key");
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == k.tokens, "positions must have shape (",
+                    as_text(k.tokens), ",): one cache slot per token of key, got ", as_text(positions.sizes()));
+  return dims;
+}
+
+void check_store_positions_cpu(const at::Tensor& positions, int64_t slots) {
+  const at::Tensor sorted = std::get<0>(positions.sort());
+  const int64_t count = sorted.numel();
+  if (count == 0) return;
+  const int64_t* p = sorted.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(p[0] >= 0 && p[count - 1] < slots, "positions must lie in [0, ", as_text(slots),
+                    ") (the slots of key_signatures), got values from ", as_text(p[0]), " to ", as_text(p[count - 1]));
+  for (int64_t i = 1; i < count; ++i) {
+    TORCH_CHECK_VALUE(p[i] != p[i - 1], "positions must be distinct, got ", as_text(p[i]), " twice");
+  }
+}
+
 int64_t check_pack_args(const at::Tensor& values) {
   TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()), "values must be a floating-point tensor, got ",
                    as_text(values.scalar_type()));

@@ -39,6 +39,18 @@ EncodePairDims check_encode_pair_args(const at::Tensor& query, const std::vector
                                       const std::vector<at::Tensor>& key_weights,
                                       const std::vector<at::Tensor>& key_biases, const std::string& activation);
 
+// encode_signatures_pair_into: the pair's checks, then the store's: key_signatures int32
+// (B', Hk, S, Wk) on the key's device with B', Hk and Wk those of the key problem and S >= 1, and
+// positions int64 (N,) (N = the key's tokens) on the same device. The positions' values are checked
+// where they can be read without a device sync (check_store_positions_cpu).
+EncodePairDims check_encode_pair_into_args(const at::Tensor& query, const std::vector<at::Tensor>& query_weights,
+                                           const std::vector<at::Tensor>& query_biases, const at::Tensor& key,
+                                           const std::vector<at::Tensor>& key_weights,
+                                           const std::vector<at::Tensor>& key_biases, const at::Tensor& key_signatures,
+                                           const at::Tensor& positions, const std::string& activation);
+// positions (CPU): every value in [0, slots) and no value twice.
+void check_store_positions_cpu(const at::Tensor& positions, int64_t slots);
+
 // pack_signs: returns the number of bits (a positive multiple of 32) of `values` (..., bits).
 int64_t check_pack_args(const at::Tensor& values);
 

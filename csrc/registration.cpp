@@ -38,6 +38,14 @@ TORCH_LIBRARY(hashattention, m) {
       "encode_signatures_pair(Tensor query, Tensor[] query_weights, Tensor[] query_biases, Tensor key, "
       "Tensor[] key_weights, Tensor[] key_biases, str activation=\"silu\") -> (Tensor query_signatures, "
       "Tensor key_signatures)");
+  // The same two encodes, with the key signatures stored into a cache instead of returned:
+  // key_signatures[b, h, positions[n], :] = the key signatures of key[b, :, n] for every n (the slots a
+  // decode step appended); returns the query signatures. key_signatures: int32 (B', Hk, S, Wk);
+  // positions: int64 (N,), distinct, in [0, S).
+  m.def(
+      "encode_signatures_pair_into(Tensor query, Tensor[] query_weights, Tensor[] query_biases, Tensor key, "
+      "Tensor[] key_weights, Tensor[] key_biases, Tensor(a!) key_signatures, Tensor positions, "
+      "str activation=\"silu\") -> Tensor");
   // Float (..., bits) -> int32 (..., bits / 32); bit j of word w is 1 iff values[..., 32w + j] > 0.
   m.def("pack_signs(Tensor values) -> Tensor");
   // Similarity = bits - popcount(q XOR k) summed over words (and over a group's query heads

@@ -17,6 +17,7 @@ from .config import HashAttentionConfig  # noqa: E402
 from .ops import (  # noqa: E402
     encode_signatures,
     encode_signatures_pair,
+    encode_signatures_pair_into,
     hamming_scores,
     hamming_topk,
     pack_signs,
@@ -48,6 +49,7 @@ __all__ = [
     "unpatch",
     "encode_signatures",
     "encode_signatures_pair",
+    "encode_signatures_pair_into",
     "hamming_scores",
     "hamming_topk",
     "ops",

@@ -177,6 +177,31 @@ class LayerAdapter(nn.Module):
         )
 
 
+    def decode_signatures_into(self, query: Tensor, key: Tensor, key_signatures: Tensor, positions: Tensor) -> Tensor:
+        """:meth:`decode_signatures` with the keys' signatures stored into a signature cache.
+
+        Args:
+            query: post-RoPE queries ``(B, Hq, L, D)``.
+            key: post-RoPE keys ``(B, Hkv, N, D)`` just appended to the cache.
+            key_signatures: int32 ``(B, Hk, S, W)`` cache; rows ``positions`` are written in place.
+            positions: int64 ``(N,)`` the keys' cache slots (distinct, in ``[0, S)``).
+
+        Returns:
+            int32 ``(B, Hq, L, W)``, equal to :meth:`query_signatures`.
+        """
+        return ops.encode_signatures_pair_into(
+            query,
+            list(self.query.weights),
+            list(self.query.biases),
+            key,
+            list(self.key.weights),
+            list(self.key.biases),
+            key_signatures,
+            positions,
+            self.config.activation,
+        )
+
+
 class HashAdapters(nn.Module):
     """All layers' adapters plus their :class:`AdapterConfig`."""
 

@@ -248,8 +248,11 @@ class SignatureStaticLayer(StaticLayer):
         """
         if self._pending_keys is None:
             return self.adapter.query_signatures(query), self._key_signatures
-        query_signatures, new_signatures = self.adapter.decode_signatures(query, self._pending_keys)
-        self._write_pending(new_signatures)
+        # The encoder stores the keys' signatures itself (no separate copy kernel per layer).
+        query_signatures = self.adapter.decode_signatures_into(
+            query, self._pending_keys, self._key_signatures, self._pending_positions
+        )
+        self._drop_pending_keys()
         return query_signatures, self._key_signatures
 
     def flush_pending_keys(self) -> None:

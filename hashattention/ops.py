@@ -112,6 +112,52 @@ def _encode_signatures_pair_fake(query, query_weights, query_biases, key, key_we
     return query_signatures, key_signatures
 
 
+def encode_signatures_pair_into(
+    query: Tensor,
+    query_weights: Sequence[Tensor],
+    query_biases: Sequence[Tensor],
+    key: Tensor,
+    key_weights: Sequence[Tensor],
+    key_biases: Sequence[Tensor],
+    key_signatures: Tensor,
+    positions: Tensor,
+    activation: str = "silu",
+) -> Tensor:
+    """:func:`encode_signatures_pair` with the key signatures stored into a cache, in place.
+
+    A decode step appends keys to a preallocated signature cache; storing them from the encoder
+    itself saves a separate copy kernel per layer. Exactly::
+
+        query_signatures, new = encode_signatures_pair(query, ..., key, ..., activation)
+        key_signatures[:, :, positions] = new
+
+    Args:
+        query, query_weights, query_biases, key, key_weights, key_biases, activation: as in
+            :func:`encode_signatures_pair`; ``key`` is ``(B', Hx, N, D')``.
+        key_signatures: int32 ``(B', Hk, S, Wk)`` cache, written in place at the rows
+            ``positions`` (any strides; every other row is left as it was).
+        positions: int64 ``(N,)`` distinct cache slots in ``[0, S)``, one per key token (device
+            values: CUDA-graph safe). On the CPU they are checked (``ValueError``); on CUDA a
+            check would need a host sync, so a slot outside ``[0, S)`` is skipped.
+
+    Returns:
+        ``query_signatures``: int32 ``(B, Hq, L, Wq)``.
+
+    Under ``torch.compile`` the cache stays in place (the op declares it mutated; no copy).
+    """
+    return torch.ops.hashattention.encode_signatures_pair_into.default(
+        query, list(query_weights), list(query_biases), key, list(key_weights), list(key_biases), key_signatures,
+        positions, activation,
+    )
+
+
+@torch.library.register_fake("hashattention::encode_signatures_pair_into")
+def _encode_signatures_pair_into_fake(
+    query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions, activation="silu"
+):
+    return _encode_signatures_fake(query, query_weights, query_biases, activation)
+
+
 def pack_signs(values: Tensor) -> Tensor:
     """Pack signs computed elsewhere: float ``(..., bits)`` -> int32 ``(..., bits // 32)``.
 

@@ -94,7 +94,7 @@ class EncoderCalls(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.counts = {"encode_signatures": 0, "encode_signatures_pair": 0}
+        self.counts = {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -106,7 +106,8 @@ class EncoderCalls(TorchDispatchMode):
 @pytest.mark.parametrize("dense_layers", [(), (1,)])
 def test_decode_step_makes_one_encoder_call_per_sparse_layer(dense_layers):
     """A static-cache decode step encodes each sparse layer's query and new key in ONE
-    encode_signatures_pair call, no separate key encode, eager and in the compiled graph."""
+    encode_signatures_pair_into call that also stores the key's signatures (no separate key encode,
+    no copy of the cache), eager and in the compiled graph."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_model("llama", layers=3)
@@ -121,7 +122,8 @@ def test_decode_step_makes_one_encoder_call_per_sparse_layer(dense_layers):
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
         with EncoderCalls() as calls:
             out = model(input_ids=token, attention_mask=mask, past_key_values=cache)
-        assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": sparse_layers}
+        assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 0,
+                                "encode_signatures_pair_into": sparse_layers}
 
         token = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
@@ -129,8 +131,10 @@ def test_decode_step_makes_one_encoder_call_per_sparse_layer(dense_layers):
         step = torch.compile(model.forward, fullgraph=True)
         _, code = run_and_get_code(step, input_ids=token, attention_mask=mask, past_key_values=cache)
     source = "\n".join(code)
-    assert source.count("hashattention.encode_signatures_pair.default(") == sparse_layers
+    assert source.count("hashattention.encode_signatures_pair_into.default(") == sparse_layers
     assert "hashattention.encode_signatures.default(" not in source
+    # The cache is written in place by the op (re-inplaced by inductor): no functionalized copy of it.
+    assert "auto_functionalized" not in source
     assert_signatures_complete(cache, adapters)
 
 
@@ -146,7 +150,7 @@ def test_dynamic_cache_still_encodes_in_update():
             model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
         for index, layer in enumerate(cache.layers):
             assert torch.equal(layer.key_signatures, adapters[index].key_signatures(layer.keys))
-    assert calls.counts == {"encode_signatures": 4, "encode_signatures_pair": 0}
+    assert calls.counts == {"encode_signatures": 4, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0}
 
 
 # ---------------------------------------------------------------- the layer on its own
@@ -177,13 +181,14 @@ def test_query_and_key_signatures_writes_pending_keys_in_one_call():
     query = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(5))
     with EncoderCalls() as calls:
         query_signatures, signatures = layer.query_and_key_signatures(query)
-    assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 1}
+    assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 1}
     assert signatures is layer._key_signatures and layer._pending_keys is None
     assert torch.equal(query_signatures, adapter.query_signatures(query))
     assert torch.equal(signatures[:, :, :5], adapter.key_signatures(key_states))
     with EncoderCalls() as calls:  # nothing pending any more: the query alone
         again, _ = layer.query_and_key_signatures(query)
-    assert calls.counts == {"encode_signatures": 1, "encode_signatures_pair": 0} and torch.equal(again, query_signatures)
+    assert calls.counts == {"encode_signatures": 1, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0}
+    assert torch.equal(again, query_signatures)
 
 
 def test_a_second_update_encodes_the_first_chunk():

@@ -32,6 +32,10 @@ def sample_calls(device):
         # A decode step: 4 query heads and key MLPs over 2 KV heads, different N; then Hx = Hk.
         ("encode_signatures_pair", (x[:, :, :1], weights, biases, x[:, :2, :3], weights, biases, "silu")),
         ("encode_signatures_pair", (x, weights, biases, x[:1, :, 1:3], weights, biases, "gelu")),
+        # The same decode step with the key's three signature rows stored into a 9-slot cache.
+        ("encode_signatures_pair_into", (x[:, :, :1], weights, biases, x[:, :2, :3], weights, biases,
+                                         random_signatures((2, 4, 9, 2), g, device),
+                                         torch.tensor([7, 0, 4], device=device), "silu")),
         ("pack_signs", (torch.randn(3, 5, 64, generator=g).to(device),)),
         ("hamming_scores", (q_sig, k_sig, 2)),
         ("hamming_topk", (q_sig, k_sig, lengths, starts, budgets, 4, 4, 4, 8)),

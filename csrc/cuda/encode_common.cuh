@@ -29,7 +29,13 @@ struct FusedMlpParams {
   int64_t width_stride;              // floats per row in each activation buffer
   bool all_staged;                   // every layer's weights are staged together, up front
   int activation;
-  int32_t* out;  // contiguous (B, H, N, words)
+  // Where the signature words of row (b, head h, token n) go: out + b * os0 + h * os1 + slot * os2,
+  // words contiguous, with slot = n, or positions[n] when positions is set (a cache's slots, as
+  // encode_signatures_pair_into writes them; a slot outside [0, slots) is not written).
+  int32_t* out;
+  int64_t os0, os1, os2;
+  const int64_t* positions;
+  int64_t slots;
   int64_t heads;             // H, the MLP heads
   int64_t heads_per_x_head;  // MLP head h reads x head h / heads_per_x_head (x has H / heads_per_x_head heads)
 };
@@ -40,6 +46,16 @@ struct FusedMlpLaunch {
   FusedMlpParams problems[2];
   int64_t first_heads;
 };
+
+// The first output word of row (b, h, n), or nullptr when the row's cache slot is out of range.
+__device__ __forceinline__ int32_t* signature_row(const FusedMlpParams& p, int64_t b, int64_t h, int64_t n) {
+  int64_t slot = n;
+  if (p.positions != nullptr) {
+    slot = p.positions[n];
+    if (slot < 0 || slot >= p.slots) return nullptr;
+  }
+  return p.out + b * p.os0 + h * p.os1 + slot * p.os2;
+}
 
 __device__ __forceinline__ float activate(float v, int activation) {
   switch (activation) {

@@ -270,7 +270,6 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
 #pragma unroll
         for (int r = 0; r < kRows; ++r) next[r * p.width_stride + j] = r < rows ? activate(acc[u][r] + bj, p.activation) : 0.0f;
       } else {
-        const int64_t words = fan_out / 32;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           // Compare in float like the CPU kernel; NaN > 0 is false: bit 0.
@@ -278,7 +277,8 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
           if (lane == 0 && r < rows) {
             const int row = static_cast<int>(row0) + r, tokens = static_cast<int>(p.tokens);
             const int b = row / tokens, n = row - b * tokens;
-            p.out[((b * p.heads + h) * p.tokens + n) * words + j / 32] = static_cast<int32_t>(word);
+            int32_t* out = signature_row(p, b, h, n);
+            if (out != nullptr) out[j / 32] = static_cast<int32_t>(word);
           }
         }
       }
@@ -371,11 +371,13 @@ void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_t
 }
 
 // The descriptor of one problem: x (B, Hx, N, D) any strides, weights[i] (H, in, out) and
-// biases[i] (H, out) with Hx dividing H, out contiguous int32 (B, H, N, words). Contiguous
-// copies of the weights (usually the tensors themselves) are appended to `kept`, which must
-// outlive the launch.
+// biases[i] (H, out) with Hx dividing H, out int32 (B, H, N, words) with contiguous words -- or,
+// with `positions` (int64 (N,)), out (B, H, S, words) and token n written to slot positions[n].
+// Contiguous copies of the weights (usually the tensors themselves) are appended to `kept`, which
+// must outlive the launch.
 FusedMlpParams describe_problem(const at::Tensor& x, at::TensorList weights, at::TensorList biases, int activation,
-                                at::Tensor& out, std::vector<at::Tensor>& kept) {
+                                at::Tensor& out, std::vector<at::Tensor>& kept,
+                                const at::Tensor& positions = at::Tensor()) {
   FusedMlpParams p{};
   p.x = x.data_ptr();
   p.xs0 = x.stride(0), p.xs1 = x.stride(1), p.xs2 = x.stride(2), p.xs3 = x.stride(3);
@@ -399,6 +401,9 @@ FusedMlpParams describe_problem(const at::Tensor& x, at::TensorList weights, at:
   }
   p.activation = activation;
   p.out = out.data_ptr<int32_t>();
+  p.os0 = out.stride(0), p.os1 = out.stride(1), p.os2 = out.stride(2);
+  p.positions = positions.defined() ? positions.data_ptr<int64_t>() : nullptr;
+  p.slots = out.size(2);
   p.width_stride = ceil_div(widest, int64_t(4)) * 4;  // keeps the staged weights 16-byte aligned
   return p;
 }
@@ -439,12 +444,13 @@ void encode_fused_cuda(const at::Tensor& x, at::TensorList weights, at::TensorLi
 
 void encode_fused_pair_cuda(const at::Tensor& query, at::TensorList query_weights, at::TensorList query_biases,
                             at::Tensor& query_out, const at::Tensor& key, at::TensorList key_weights,
-                            at::TensorList key_biases, at::Tensor& key_out, const std::string& activation) {
+                            at::TensorList key_biases, at::Tensor& key_out, const std::string& activation,
+                            const at::Tensor& key_positions) {
   std::vector<at::Tensor> kept;
   const int code = activation_code(activation);
   const FusedMlpParams described[2] = {
       describe_problem(query, query_weights, query_biases, code, query_out, kept),
-      describe_problem(key, key_weights, key_biases, code, key_out, kept),
+      describe_problem(key, key_weights, key_biases, code, key_out, kept, key_positions),
   };
   // Empty problems get no blocks (an empty key chunk, say), so the launch has one or two problems.
   FusedMlpLaunch work{};

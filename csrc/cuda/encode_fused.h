@@ -27,10 +27,13 @@ void encode_fused_cuda(const at::Tensor& x, at::TensorList weights, at::TensorLi
                        const std::string& activation, at::Tensor& out);
 
 // Both problems of encode_signatures_pair (each as in encode_fused_cuda) in ONE launch of the
-// same kernel; requires fused_encode_pair_applies.
+// same kernel; requires fused_encode_pair_applies. With key_positions (int64 (N,), defined), key_out
+// is a cache (B, H, S, words) with contiguous words and key token n goes to slot key_positions[n]
+// (slots outside [0, S) are skipped: encode_signatures_pair_into).
 void encode_fused_pair_cuda(const at::Tensor& query, at::TensorList query_weights, at::TensorList query_biases,
                             at::Tensor& query_out, const at::Tensor& key, at::TensorList key_weights,
-                            at::TensorList key_biases, at::Tensor& key_out, const std::string& activation);
+                            at::TensorList key_biases, at::Tensor& key_out, const std::string& activation,
+                            const at::Tensor& key_positions = at::Tensor());
 
 }  // namespace cuda
 }  // namespace hashattention

@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(kMmaThreads) mma_mlp_sign_kernel(MmaLaunch lau
     const unsigned bits = __ballot_sync(0xffffffffu, act[r * stride + word * 32 + lane] > 0.0f);
     if (lane == 0) {
       const int b = r / tokens, n = r - b * tokens;
-      p.out[((b * p.heads + h) * p.tokens + n) * words + word] = static_cast<int32_t>(bits);
+      int32_t* out = signature_row(p, b, h, n);
+      if (out != nullptr) out[word] = static_cast<int32_t>(bits);
     }
   }
 }

@@ -1,4 +1,5 @@
-// CUDA kernels of `encode_signatures`, `encode_signatures_pair`, `pack_signs` and `hamming_scores`.
+// CUDA kernels of `encode_signatures`, `encode_signatures_pair` (and `_into`, which stores the key
+// signatures into a cache), `pack_signs` and `hamming_scores`.
 //
 // Encoding of few rows (a decode step: batch * tokens <= 64 per head) runs in one fused
 // kernel (encode_fused.cu); encode_signatures_pair runs a decode step's query and key problems
@@ -43,6 +44,31 @@ __global__ void __launch_bounds__(kThreads)
     const unsigned bits_word = __ballot_sync(0xffffffffu, v > 0.0f);  // NaN > 0 is false: bit 0
     if (lane == 0) out[word] = static_cast<int32_t>(bits_word);
   }
+}
+
+// dst[b, h, positions[n], w] = src[b, h, n, w] for src contiguous int32 (B, H, N, W) and dst int32
+// (B, H, S, W) of any strides; slots outside [0, S) are skipped (they cannot be reported without a
+// host sync). One thread per word.
+__global__ void __launch_bounds__(kThreads)
+    store_rows_kernel(const int32_t* __restrict__ src, int32_t* __restrict__ dst, const int64_t* __restrict__ positions,
+                      int64_t total, int64_t heads, int64_t tokens, int64_t words, int64_t slots, int64_t ds0,
+                      int64_t ds1, int64_t ds2, int64_t ds3) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t w = i % words, n = (i / words) % tokens, h = (i / (words * tokens)) % heads;
+    const int64_t b = i / (words * tokens * heads);
+    const int64_t slot = positions[n];
+    if (slot >= 0 && slot < slots) dst[b * ds0 + h * ds1 + slot * ds2 + w * ds3] = src[i];
+  }
+}
+
+void store_rows(const at::Tensor& src, at::Tensor& dst, const at::Tensor& positions) {
+  const int64_t total = src.numel();
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(total, kThreads), int64_t(multiprocessor_count()) * 16);
+  store_rows_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      src.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), positions.data_ptr<int64_t>(), total, src.size(1),
+      src.size(2), src.size(3), dst.size(2), dst.stride(0), dst.stride(1), dst.stride(2), dst.stride(3));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_sign_pack(const at::Tensor& values, const at::Tensor& bias, at::Tensor& out, int64_t bits,
@@ -166,6 +192,33 @@ std::tuple<at::Tensor, at::Tensor> encode_signatures_pair_cuda(
   return {query_out, key_out};
 }
 
+// The pair with the key signatures stored into a cache at `positions` (device values, not checked:
+// slots outside [0, S) are skipped). The fused launch writes them in place; other paths encode the
+// keys into a temporary and store its rows.
+at::Tensor encode_signatures_pair_into_cuda(const at::Tensor& query, at::TensorList query_weights,
+                                            at::TensorList query_biases, const at::Tensor& key,
+                                            at::TensorList key_weights, at::TensorList key_biases,
+                                            at::Tensor& key_signatures, const at::Tensor& positions,
+                                            c10::string_view activation_view) {
+  const std::string activation(activation_view);
+  const EncodePairDims dims =
+      check_encode_pair_into_args(query, query_weights.vec(), query_biases.vec(), key, key_weights.vec(),
+                                  key_biases.vec(), key_signatures, positions, activation);
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (fused_encode_pair_applies(query, query_weights, query_biases, key, key_weights, key_biases) &&
+      (key_signatures.size(3) == 1 || key_signatures.stride(3) == 1)) {
+    at::Tensor query_out = new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
+                                      query.options().dtype(at::kInt));
+    encode_fused_pair_cuda(query, query_weights, query_biases, query_out, key, key_weights, key_biases,
+                           key_signatures, activation, positions);
+    return query_out;
+  }
+  at::Tensor query_out = encode_problem(query, query_weights, query_biases, activation, dims.query);
+  const at::Tensor key_out = encode_problem(key, key_weights, key_biases, activation, dims.key);
+  store_rows(key_out, key_signatures, positions);
+  return query_out;
+}
+
 at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
                                int64_t selection_heads) {
   const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
@@ -190,6 +243,7 @@ at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Ten
 TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
   m.impl("encode_signatures", &cuda::encode_signatures_cuda);
   m.impl("encode_signatures_pair", &cuda::encode_signatures_pair_cuda);
+  m.impl("encode_signatures_pair_into", &cuda::encode_signatures_pair_into_cuda);
   m.impl("pack_signs", &cuda::pack_signs_cuda);
   m.impl("hamming_scores", &cuda::hamming_scores_cuda);
 }
