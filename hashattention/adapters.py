@@ -166,16 +166,14 @@ class LayerAdapter(nn.Module):
             int32 ``(B, Hq, L, W)`` and int32 ``(B, Hk, N, W)``, equal to
             :meth:`query_signatures` and :meth:`key_signatures`.
         """
-        return ops.encode_signatures_pair(  # both stacks were built with config.activation
-            query,
-            list(self.query.weights),
-            list(self.query.biases),
-            key,
-            list(self.key.weights),
-            list(self.key.biases),
-            self.config.activation,
-        )
+        query_stack, key_stack = self._stacks()
+        return ops.encode_signatures_pair(query, *query_stack, key, *key_stack, self.config.activation)
 
+    def _stacks(self):
+        """``((query weights, biases), (key weights, biases))`` as the pair ops take them (both
+        stacks were built with ``config.activation``)."""
+        return ((list(self.query.weights), list(self.query.biases)),
+                (list(self.key.weights), list(self.key.biases)))
 
     def decode_signatures_into(self, query: Tensor, key: Tensor, key_signatures: Tensor, positions: Tensor) -> Tensor:
         """:meth:`decode_signatures` with the keys' signatures stored into a signature cache.
@@ -189,16 +187,9 @@ class LayerAdapter(nn.Module):
         Returns:
             int32 ``(B, Hq, L, W)``, equal to :meth:`query_signatures`.
         """
+        query_stack, key_stack = self._stacks()
         return ops.encode_signatures_pair_into(
-            query,
-            list(self.query.weights),
-            list(self.query.biases),
-            key,
-            list(self.key.weights),
-            list(self.key.biases),
-            key_signatures,
-            positions,
-            self.config.activation,
+            query, *query_stack, key, *key_stack, key_signatures, positions, self.config.activation
         )
 
 
