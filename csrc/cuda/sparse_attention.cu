@@ -198,24 +198,25 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   splits = std::max<int64_t>(1, ceil_div(dims.width, rows_per_split));
 
   // The splits of a unit merge inside one thread-block cluster when they can be one (at most
-  // kMaxClusterSplits) and every unit's cluster is resident at once; a unit may then take up to a
-  // quarter fewer splits than the rule above gives (B = 1, 32 query heads: 16 splits of a cluster
-  // instead of 17; B = 4: 4 instead of 5, since clusters of 5 do not all fit). The other merge,
-  // through global counters, needs a memset of the counters before the kernel, and with that node
-  // between the selection and this kernel the attention cannot be launched programmatically.
-  // H200, attention alone (scripts/probe_attention.py, cluster vs counters): B = 1 per query head
-  // 12.2-12.4 vs 13.4-13.7 us at 32K, 24.5-24.8 vs 25.7-26.4 at 128K, level at 512K; where the grid
-  // fills the resident slots (B = 4 per query head, 640 of 660 blocks) clusters slowed the attention
-  // alone by ~1.6 us (B = 4 / 32K 24.8-25.4 vs 24.2-24.5 us), but inside the model the decode step
-  // was faster with clusters of 4 splits than with the counters' 5 (scripts/bench_generate.py,
-  // B = 4 / 128K / 32x per query head, same visit: 8.74 against 9.07 ms per step; no memset node,
-  // programmatic launch; benchmarks/results/bench_generate_20261203_s17_cluster.md). An eighth
-  // fewer, the previous bound, left B = 4 on the counters. HASHATTENTION_ATTENTION_CLUSTER (a timing
-  // aid) = 0 or 1: never; c >= 2: clusters of at most c splits whenever they are resident, with
-  // fewer splits than the rule gives if need be.
+  // kMaxClusterSplits) and every unit's cluster is resident at once; a unit may then take up to an
+  // eighth fewer splits than the rule above gives (B = 1, 32 query heads: 16 splits of a cluster
+  // instead of 17). The other merge, through global counters, needs a memset of the counters
+  // before the kernel, and with that node between the selection and this kernel the attention
+  // cannot be launched programmatically. H200, attention alone (scripts/probe_attention.py, cluster
+  // vs counters): B = 1 per query head 12.2-12.4 vs 13.4-13.7 us at 32K, 24.5-24.8 vs 25.7-26.4 at
+  // 128K, level at 512K; where the grid fills the resident slots (B = 4 per query head, 640 of 660
+  // blocks) clusters slowed the attention alone by ~1.6 us (B = 4 / 32K 24.8-25.4 vs 24.2-24.5 us).
+  // Allowing a quarter fewer splits (B = 4 per query head: clusters of 4 instead of the counters'
+  // 5) was measured and dropped: the B = 4 / 128K / 32x decode step in the model was 9.03 ms against
+  // 9.07-9.08 with the counters (one forced run had shown 8.74 that a later run did not repeat),
+  // and scripts/bench_decode.py at B = 8 / 128K group-shared, which it also moved to clusters, was
+  // slower: 97.1 vs 90.8 us at 32x, 161.2 vs 146.2 at 16x
+  // (benchmarks/results/bench_decode_20261203_s18_cluster.md). HASHATTENTION_ATTENTION_CLUSTER (a
+  // timing aid) = 0 or 1: never; c >= 2: clusters of at most c splits whenever they are resident,
+  // with fewer splits than the rule gives if need be.
   const int64_t forced_cluster = timing_aid("HASHATTENTION_ATTENTION_CLUSTER", -1, 0, kMaxClusterSplits);
   const int64_t largest_cluster = forced_cluster < 0 ? kMaxClusterSplits : forced_cluster;
-  const int64_t smallest_cluster = std::max<int64_t>(2, forced_cluster < 0 ? ceil_div(3 * splits, 4) : 2);
+  const int64_t smallest_cluster = std::max<int64_t>(2, forced_cluster < 0 ? ceil_div(7 * splits, 8) : 2);
   bool cluster_merge = false;
   for (int64_t size = std::min(splits, largest_cluster); splits > 1 && size >= smallest_cluster; --size) {
     const int64_t cluster_rows = ceil_div(dims.width, size);
