@@ -1,5 +1,6 @@
-"""The attention launched programmatically after the selection (sm_90) reads this step's indices, and
-the selection, launched programmatically too, reads this step's signatures.
+"""The attention launched programmatically after the selection (sm_90) reads this step's indices, the
+selection, launched programmatically too, reads this step's signatures, and the encoder, launched so
+as well, reads this step's inputs and weights.
 
 `sparse_attention` may start while the selection before it is still writing (programmatic dependent
 launch, csrc/cuda/programmatic_launch.cuh), and the one-launch `hamming_topk` while the kernel that
@@ -16,6 +17,7 @@ import torch
 import hashattention as ha
 from hashattention import reference
 from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
+from test_encode_signatures import make_mlp
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
@@ -74,6 +76,64 @@ def test_attention_after_selection_reads_this_steps_indices(monkeypatch, program
             outputs = step()
         torch.cuda.synchronize()
         check_step(*outputs, query, key_cache, value_cache, q_sig, k_sig, selection, f"step {s}")
+
+
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("op", ["single", "pair_into"])
+@pytest.mark.parametrize("encoder,batch", [("fma", 1), ("fma", 4), ("mma", 8)])
+def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch, op, captured):
+    """The encoder's blocks may start while the kernel before them runs, and warm L2 with their
+    weights before waiting for it. Each step a kernel right before the encoder (inside the graph
+    when captured) writes new inputs and new weights -- the last layer negated every other step,
+    which flips every signature bit a stale read would keep -- and the output must equal the same
+    kernel's launched without the overlap (HASHATTENTION_PROGRAMMATIC_LAUNCH=0) after a sync."""
+    monkeypatch.setenv("HASHATTENTION_ENCODER", encoder)
+    heads, kv_heads, sizes, dtype = 32, 8, [128, 128, 128, 32], torch.bfloat16
+    g = generator_for("programmatic-encoder", encoder, batch, op, captured)
+    query = torch.empty(batch, heads, 1, sizes[0], dtype=dtype, device="cuda")
+    key = torch.empty(batch, kv_heads, 1, sizes[0], dtype=dtype, device="cuda")
+    qw, qb = make_mlp(heads, sizes, g, dtype, "cuda")
+    kw, kb = make_mlp(heads, sizes, g, dtype, "cuda")
+    cache = torch.zeros(batch, heads, 12, 1, dtype=torch.int32, device="cuda")
+    positions = torch.tensor([5], device="cuda")
+    # Sources the step copies from (device kernels right before the encoder).
+    query_src, key_src = torch.empty_like(query), torch.empty_like(key)
+    last_q_src, last_k_src = qw[-1].clone(), kw[-1].clone()
+
+    def encode():
+        if op == "single":
+            return ha.encode_signatures(query, qw, qb)
+        return ha.encode_signatures_pair_into(query, qw, qb, key, kw, kb, cache, positions)
+
+    def step():
+        query.copy_(query_src)
+        key.copy_(key_src)
+        qw[-1].copy_(last_q_src)
+        kw[-1].copy_(last_k_src)
+        return encode()
+
+    for s in range(5):
+        query_src.copy_(torch.randn(query.shape, generator=g).to(dtype))
+        key_src.copy_(torch.randn(key.shape, generator=g).to(dtype))
+        last_q_src.neg_()
+        last_k_src.neg_()
+        cache.zero_()
+        if captured and s == 0:
+            graph, out = capture_cuda_graph(step)
+            cache.zero_()
+        if captured:
+            graph.replay()
+        else:
+            out = step()
+        torch.cuda.synchronize()
+        got_q, got_cache = out.clone(), cache.clone()
+        monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", "0")
+        cache.zero_()
+        want_q = encode()
+        torch.cuda.synchronize()
+        monkeypatch.delenv("HASHATTENTION_PROGRAMMATIC_LAUNCH")
+        assert torch.equal(got_q, want_q), f"step {s}: query signatures"
+        assert torch.equal(got_cache, cache), f"step {s}: stored key signatures"
 
 
 def test_bad_programmatic_launch_value_is_named(monkeypatch):

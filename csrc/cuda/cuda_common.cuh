@@ -42,6 +42,18 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
   }
 }
 
+// Launches `kernel`, whose one parameter is the struct at `params`, on the current stream, with
+// programmatic stream serialization where programmatic_launch_allowed says so (the kernel then
+// calls wait_for_prerequisite_grids before its first read of anything an earlier kernel wrote).
+inline void launch_with_single_argument(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+                                        void* params) {
+  KernelLaunch launch(grid, block, shared_bytes, at::cuda::getCurrentCUDAStream());
+  if (programmatic_launch_allowed(kernel)) launch.programmatic();
+  void* args[] = {params};
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, kernel, args));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // A per-sequence int32 vector (B,) on the device, or absent.
 struct SequenceVector {
   const int32_t* data = nullptr;

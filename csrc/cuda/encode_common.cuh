@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "programmatic_launch.cuh"
+
 namespace hashattention {
 namespace cuda {
 namespace encode {
@@ -103,6 +105,31 @@ __device__ __forceinline__ void bulk_copy_wait(uint64_t* barrier) {
       "@!done bra WAIT_FOR_BYTES;\n"
       "}\n" ::"r"(shared_address(barrier))
       : "memory");
+#endif
+}
+
+// Asks L2 for head h's weights and biases (every layer; `element_bytes` each), 128-byte lines spread
+// over the block's `threads` threads. The kernels call it before wait_for_prerequisite_grids: launched
+// programmatically they may run while the kernel before them finishes, and the weights' DRAM round
+// trip then overlaps that kernel's tail. Only a prefetch may go before the wait -- the weights are
+// read after it, from L2, the point of coherence, so a kernel just before that rewrote them (an
+// optimizer step) is never read stale.
+__device__ __forceinline__ void prefetch_weights_to_l2(const FusedMlpParams& p, int64_t h, int element_bytes,
+                                                       int threads) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto prefetch = [&](const void* begin, int64_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(127);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(begin) + static_cast<uintptr_t>(bytes);
+    for (uintptr_t line = first + uintptr_t(threadIdx.x) * 128; line < end; line += uintptr_t(threads) * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+    }
+  };
+  for (int layer = 0; layer < p.layers; ++layer) {
+    const int64_t fan_in = p.widths[layer], fan_out = p.widths[layer + 1];
+    prefetch(static_cast<const char*>(p.weights[layer]) + h * fan_in * fan_out * element_bytes,
+             fan_in * fan_out * element_bytes);
+    prefetch(static_cast<const char*>(p.biases[layer]) + h * fan_out * element_bytes, fan_out * element_bytes);
+  }
 #endif
 }
 

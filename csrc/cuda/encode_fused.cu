@@ -109,6 +109,10 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
   const int64_t bias_stride = staged_elements(p.width_stride);
   w_t* staged = biases + p.layers * bias_stride;
   const int rows = static_cast<int>(min64(kRows, p.rows - row0));
+  // Launched programmatically (launch_kernel), the block may run while the kernel before it
+  // finishes: it warms L2 with its weights, then waits for that kernel before any read.
+  prefetch_weights_to_l2(p, h, static_cast<int>(sizeof(w_t)), kEncodeThreads);
+  wait_for_prerequisite_grids();
 
   // When every layer's weights fit in the staging buffer together (the paper's MLP: 72 KB in
   // bf16), they are all requested first, with the biases, so that they arrive while the inputs
@@ -318,8 +322,8 @@ void launch_kernel(FusedMlpLaunch launch, int problems, dim3 grid) {
   for (int i = 0; i < problems; ++i) smem = std::max(smem, prepare_shared_memory<w_t, kRows>(launch.problems[i]));
   auto kernel = fused_mlp_sign_kernel<x_t, w_t, kRows>;
   allow_shared_memory(kernel, static_cast<size_t>(smem));
-  kernel<<<grid, kEncodeThreads, static_cast<size_t>(smem), at::cuda::getCurrentCUDAStream()>>>(launch);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_with_single_argument(reinterpret_cast<const void*>(kernel), grid, dim3(kEncodeThreads),
+                              static_cast<size_t>(smem), &launch);
 }
 
 template <typename x_t, int kRows>

@@ -147,6 +147,9 @@ __global__ void __launch_bounds__(kMmaThreads) mma_mlp_sign_kernel(MmaLaunch lau
   float* act = reinterpret_cast<float*>(shared_raw);  // [kTileRows][stride], then the next layer's
   float* next = act + kTileRows * stride;
   __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(next + kTileRows * stride);
+  // Launched programmatically, as the fused kernel is: warm L2 with the weights, then wait.
+  prefetch_weights_to_l2(p, h, static_cast<int>(sizeof(__nv_bfloat16)), kMmaThreads);
+  wait_for_prerequisite_grids();
 
   // Every thread requests its share of the head's weight rows and biases as 16-byte asynchronous
   // copies into the padded rows (one bulk copy per row instead -- 387 for the paper's MLP, issued by
@@ -305,8 +308,9 @@ bool launch_kernel(const MmaLaunch& launch, int problems, size_t smem) {
   allow_shared_memory(kernel, smem);
   int64_t heads = 0;
   for (int i = 0; i < problems; ++i) heads += launch.work.problems[i].heads;
-  kernel<<<static_cast<unsigned>(heads), kMmaThreads, smem, at::cuda::getCurrentCUDAStream()>>>(launch);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  MmaLaunch params = launch;
+  launch_with_single_argument(reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(heads)),
+                              dim3(kMmaThreads), smem, &params);
   return true;
 }
 
