@@ -85,8 +85,9 @@ def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch
     """The encoder's blocks may start while the kernel before them runs, and warm L2 with their
     weights before waiting for it. Each step a kernel right before the encoder (inside the graph
     when captured) writes new inputs and new weights -- the last layer negated every other step,
-    which flips every signature bit a stale read would keep -- and the output must equal the same
-    kernel's launched without the overlap (HASHATTENTION_PROGRAMMATIC_LAUNCH=0) after a sync."""
+    which flips every signature bit a stale read would keep -- and the output (with the pair, also
+    the selection launched right after it over the stored signatures) must equal the same kernels'
+    launched without the overlap (HASHATTENTION_PROGRAMMATIC_LAUNCH=0) after a sync."""
     monkeypatch.setenv("HASHATTENTION_ENCODER", encoder)
     heads, kv_heads, sizes, dtype = 32, 8, [128, 128, 128, 32], torch.bfloat16
     g = generator_for("programmatic-encoder", encoder, batch, op, captured)
@@ -102,8 +103,13 @@ def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch
 
     def encode():
         if op == "single":
-            return ha.encode_signatures(query, qw, qb)
-        return ha.encode_signatures_pair_into(query, qw, qb, key, kw, kb, cache, positions)
+            return (ha.encode_signatures(query, qw, qb),)
+        # The selection right after the encoder (as in a decode step) may be placed before the encoder
+        # finishes; it must read this step's query signatures and the key signatures just stored.
+        query_signatures = ha.encode_signatures_pair_into(query, qw, qb, key, kw, kb, cache, positions)
+        indices, counts = ha.hamming_topk(query_signatures, cache, selection_heads=heads, sink_tokens=2,
+                                          local_tokens=2, budget_tokens=4)
+        return query_signatures, indices, counts
 
     def step():
         query.copy_(query_src)
@@ -126,13 +132,14 @@ def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch
         else:
             out = step()
         torch.cuda.synchronize()
-        got_q, got_cache = out.clone(), cache.clone()
+        got, got_cache = [t.clone() for t in out], cache.clone()
         monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", "0")
         cache.zero_()
-        want_q = encode()
+        want = encode()
         torch.cuda.synchronize()
         monkeypatch.delenv("HASHATTENTION_PROGRAMMATIC_LAUNCH")
-        assert torch.equal(got_q, want_q), f"step {s}: query signatures"
+        for name, g_t, w_t in zip(("query signatures", "indices", "counts"), got, want):
+            assert torch.equal(g_t, w_t), f"step {s}: {name}"
         assert torch.equal(got_cache, cache), f"step {s}: stored key signatures"
 
 
