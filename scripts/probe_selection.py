@@ -13,9 +13,10 @@ in full, and prints the time of each phase as the differences:
     python scripts/probe_selection.py --batches 1 --ns 8192 32768 131072 --read-floor
     python scripts/probe_selection.py --batches 1 4 --ns 131072 --variants --timeline
 
---variants also times two whole-kernel variants whose output is wrong: "nostores" (phase 2 runs
-but its position stores are predicated off) and "nosplit" (the boundary chunk of each row takes
-the uniform write path). --timeline runs one eager launch whose blocks record their
+--variants also times three whole-kernel variants: "nostores" (phase 2 runs but its position
+stores are predicated off) and "nosplit" (the boundary chunk of each row takes the uniform write
+path), whose output is wrong, and "twopass" (correct output: phase 2 counts and writes in two
+passes over the distance bytes, the path of 64K-position blocks, instead of from registers). --timeline runs one eager launch whose blocks record their
 multiprocessor, start and end (%globaltimer) and the clock64 cycles of each phase, and prints
 the spread of every phase over the blocks, boundary and other blocks apart.
 
@@ -71,7 +72,8 @@ def parse_args():
     parser.add_argument("--read-floor", action="store_true",
                         help="also time an empty kernel and a plain read of the same signature bytes (needs Triton)")
     parser.add_argument("--variants", action="store_true",
-                        help="also time the nostores and nosplit kernel variants (wrong output, timing only)")
+                        help="also time the nostores and nosplit kernel variants (wrong output, timing only) "
+                             "and the twopass one (correct output)")
     parser.add_argument("--timeline", action="store_true",
                         help="also record one launch's per-block phase timeline and print its spread")
     parser.add_argument("--timeline-out", default="", help="folder for the raw per-block timelines (CSV)")
@@ -234,7 +236,7 @@ def main() -> int:
     print(f"{'B':>2} {'n':>7} {'full us':>8} {'scoring':>8} {'barrier':>8} {'thresh.':>8} {'counts':>8} "
           f"{'writes':>8} {'GB/s':>7} {'GB/s p1':>8}" + floor_header)
     modes = ("", "counts", "threshold", "barrier", "scoring")
-    variants = ("nostores", "nosplit") if args.variants else ()
+    variants = ("nostores", "nosplit", "twopass") if args.variants else ()
     for batch in args.batches:
         for n in args.ns:
             times = {}

@@ -123,11 +123,16 @@ def test_long_rows_and_beyond_capacity(monkeypatch, keys):
 
 @pytest.mark.parametrize("chunk", [4096, 8192, 16384, 32768, 65536])
 @pytest.mark.parametrize("pool", [0, 3])
-def test_every_chunk_size_on_static_cache_slots(monkeypatch, chunk, pool):
+@pytest.mark.parametrize("phase_two", ["registers", "twopass"])
+def test_every_chunk_size_on_static_cache_slots(monkeypatch, chunk, pool, phase_two):
     """Each block size, forced, on a static cache's layout: slots a little past a power of two
     (a model's n + decode steps, so each row's last block is nearly empty), shorter per-sequence
-    lengths and budgets given as tensors, as a patched model's decode step calls it."""
+    lengths and budgets given as tensors, as a patched model's decode step calls it. Blocks of up
+    to 32K positions write from registers after one pass; "twopass" (a timing aid with correct
+    output) forces the general two-pass compaction that 64K blocks take at every size."""
     monkeypatch.setenv("HASHATTENTION_SELECTION_CHUNK", str(chunk))
+    if phase_two == "twopass":
+        monkeypatch.setenv("HASHATTENTION_SELECTION_PROBE", "twopass")
     g = generator_for("resident-chunk", chunk, pool)
     slots = 65_536 + 132
     q_sig = signatures((2, 8, 1, 1), g, pool)

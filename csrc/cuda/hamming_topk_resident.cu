@@ -14,10 +14,12 @@
 //   grid-wide barrier;
 //   phase 2: each block sums its row's chunk histograms (from L2), finds by one warp scan the
 //            threshold distance T (the smallest with count(d <= T) >= m) and how many of its
-//            ties to drop (the earliest); each warp counts the entries of its contiguous segment
-//            of the chunk, takes its offset from the other warps' counts, and walks the segment
-//            512 positions at a time (a 16-byte shared load per lane, one warp scan), writing
-//            its entries in position order.
+//            ties to drop (the earliest); each warp reads its contiguous segment of the chunk
+//            once, 512 positions per step (a 16-byte shared load per lane), keeping each lane's
+//            entry bits in registers, scans the lanes' counts of all steps together, takes its
+//            offset from the other warps' counts and writes its entries in position order
+//            (RegisterEntries; 64K-position chunks read the segment twice, counting, then
+//            writing with one warp scan per step).
 // Measured phases (scripts/probe_selection.py, H200, B = 4, 128K, 32 heads, 32x, 38.8 us in
 // all): scoring 24.4 us (2.75 TB/s over the signatures), barrier 0.9, threshold 2.0, warp counts
 // 2.2, writes 9.2. The write pass's time follows the number of entries, not positions (B = 1 at
@@ -61,6 +63,9 @@ constexpr int kProbeOff = 0, kProbeAfterScoring = 1, kProbeAfterBarrier = 2, kPr
 // full but predicates off its position stores; "nosplit" writes the boundary chunk as if it kept
 // all or none of its ties (the uniform path), so the cost of the boundary blocks shows apart.
 constexpr int kProbeNoStores = 5, kProbeNoSplit = 6;
+// "twopass" (correct output): phase 2 takes the general two-pass path at every chunk size instead of
+// the register path, for same-build A/B timings.
+constexpr int kProbeTwoPass = 7;
 
 // Per-block timeline (HASHATTENTION_SELECTION_TIMELINE=<device address>, set by
 // scripts/probe_selection.py --timeline; never otherwise): each block of a launch writes
@@ -348,6 +353,175 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
   }
 }
 
+// Phase 2 of one warp for chunks of at most kMaxRegisterSteps 512-position steps per warp (chunks
+// up to 32K positions, which every decode shape of bench_decode.py / bench_generate.py uses): ONE
+// pass over the warp's distance bytes keeps each lane's entry masks in registers (16 bits of
+// entries and, in the boundary chunk, 16 bits of ties at T per step), the lanes' counts of all
+// steps are scanned together (three steps per 32-bit word, a 10-bit field each: a step's count over
+// the warp is at most 512), and the writes come from the registers. The general path
+// (count_warp_entries + write_warp_entries) reads the bytes twice, recomputes the flags and scans
+// once per step; phase 2 runs with DRAM idle and is bound by its instruction count (H200, B = 4 /
+// 128K / 32x per query head: counts 2.0 + writes 7.7 us of the 33.7, probe_selection_20261203.md).
+constexpr int kMaxRegisterSteps = 8;
+constexpr int kFieldBits = 10;
+constexpr unsigned kFieldMask = (1u << kFieldBits) - 1;
+constexpr int kFieldsPerWord = 3;
+constexpr int kCountWords = (kMaxRegisterSteps + kFieldsPerWord - 1) / kFieldsPerWord;
+
+// One 10-bit count per step, three per word.
+struct StepFields {
+  unsigned words[kCountWords];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < kCountWords; ++i) words[i] = 0;
+  }
+  __device__ __forceinline__ void put(int step, unsigned count) {
+    words[step / kFieldsPerWord] |= count << (kFieldBits * (step % kFieldsPerWord));
+  }
+  __device__ __forceinline__ unsigned get(int step) const {
+    return (words[step / kFieldsPerWord] >> (kFieldBits * (step % kFieldsPerWord))) & kFieldMask;
+  }
+  // Inclusive scan over the lanes of the first `used` words (warp-uniform). No field carries into the
+  // next: each partial sum is at most 32 x 16 = 512 < 2^10.
+  __device__ __forceinline__ void inclusive_scan(int used, int lane) {
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+#pragma unroll
+      for (int i = 0; i < kCountWords; ++i) {
+        if (i < used) {
+          const unsigned other = __shfl_up_sync(0xffffffffu, words[i], offset);
+          if (lane >= offset) words[i] += other;
+        }
+      }
+    }
+  }
+  // Lane 31's words (the warp's totals per step), in every lane.
+  __device__ __forceinline__ StepFields warp_totals(int used) const {
+    StepFields t;
+#pragma unroll
+    for (int i = 0; i < kCountWords; ++i) t.words[i] = i < used ? __shfl_sync(0xffffffffu, words[i], 31) : 0u;
+    return t;
+  }
+  __device__ __forceinline__ int sum(int steps) const {
+    int total = 0;
+#pragma unroll
+    for (int s = 0; s < kMaxRegisterSteps; ++s) total += s < steps ? static_cast<int>(get(s)) : 0;
+    return total;
+  }
+};
+
+template <int kGroup, bool kSplitTies>
+struct RegisterEntries {
+  unsigned masks[kMaxRegisterSteps];  // bits 0-15: entries (better ones when kSplitTies); 16-31: ties at T
+  StepFields better_before, ties_before;  // exclusive scans over the lanes, per step
+  StepFields better_total, ties_total;    // the warp's counts per step
+  int steps, used;
+
+  // Reads the warp's `steps` x 512 positions from `first_vector` once. Entries: distances below
+  // `limit_bytes`; with kSplitTies also the ties at `threshold_bytes`, counted apart.
+  __device__ __forceinline__ void count(const uint4* vectors, int first_vector, int warp_steps, unsigned limit_bytes,
+                                        unsigned threshold_bytes) {
+    const int lane = threadIdx.x & 31;
+    steps = warp_steps;
+    used = (steps + kFieldsPerWord - 1) / kFieldsPerWord;
+    StepFields better_own, ties_own;
+    better_own.clear();
+    ties_own.clear();
+#pragma unroll
+    for (int s = 0; s < kMaxRegisterSteps; ++s) {
+      masks[s] = 0;
+      if (s < steps) {
+        const uint4 d = vectors[first_vector + s * 32 + lane];
+        const unsigned words[4] = {d.x, d.y, d.z, d.w};
+        unsigned better = 0, ties = 0;  // bit i: position 16 vector + i
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          better |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
+          if constexpr (kSplitTies) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
+        }
+        masks[s] = better | ties << 16;
+        better_own.put(s, __popc(better));
+        if constexpr (kSplitTies) ties_own.put(s, __popc(ties));
+      }
+    }
+    better_before = better_own;
+    better_before.inclusive_scan(used, lane);
+    better_total = better_before.warp_totals(used);
+    if constexpr (kSplitTies) {
+      ties_before = ties_own;
+      ties_before.inclusive_scan(used, lane);
+      ties_total = ties_before.warp_totals(used);
+    } else {
+      ties_total.clear();
+    }
+#pragma unroll
+    for (int i = 0; i < kCountWords; ++i) {  // inclusive -> exclusive, field by field (no borrows)
+      better_before.words[i] -= better_own.words[i];
+      if constexpr (kSplitTies) ties_before.words[i] -= ties_own.words[i];
+    }
+  }
+
+  __device__ __forceinline__ int warp_better() const { return better_total.sum(steps); }
+  __device__ __forceinline__ int warp_ties() const { return kSplitTies ? ties_total.sum(steps) : 0; }
+
+  // Writes the entries in position order, the warp's better entries from out[better_base] and its
+  // ties numbered from ties_base, as write_warp_entries does.
+  __device__ __forceinline__ void write(int first_vector, int first_position, int chunk_skip, int better_base,
+                                        int ties_base, int32_t* out, bool stores) const {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int s = 0; s < kMaxRegisterSteps; ++s) {
+      if (s < steps) {
+        const int position = first_position + (first_vector + s * 32 + lane) * 16;
+        const unsigned better = masks[s] & 0xffffu;
+        const int before = static_cast<int>(better_before.get(s));
+        if constexpr (!kSplitTies) {
+          write_positions(better, position, out + better_base + before, stores);
+        } else {  // the boundary chunk: as in write_warp_entries
+          const unsigned ties = masks[s] >> 16;
+          const int tie_rank = ties_base + static_cast<int>(ties_before.get(s));
+          int drop = chunk_skip - tie_rank;
+          unsigned kept = drop >= __popc(ties) ? 0u : ties;
+          for (; drop > 0 && kept != 0; --drop) kept &= kept - 1;
+          write_positions(better | kept, position, out + better_base + before + max(tie_rank - chunk_skip, 0),
+                          stores);
+        }
+        better_base += static_cast<int>(better_total.get(s));
+        if constexpr (kSplitTies) ties_base += static_cast<int>(ties_total.get(s));
+      }
+    }
+  }
+};
+
+// Phase 2 after the threshold, register path (see RegisterEntries). Returns false when the timing
+// probe stops the kernel after the counts. Call from every thread.
+template <int kGroup, bool kSplitTies>
+__device__ __forceinline__ bool count_and_write_from_registers(const uint4* vectors, int first_vector, int steps,
+                                                               int first_position, unsigned limit_bytes,
+                                                               unsigned threshold_bytes, int chunk_skip, int32_t* out,
+                                                               int32_t* warp_better, int32_t* warp_ties,
+                                                               int probe_stop, BlockTimeline& timeline) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  RegisterEntries<kGroup, kSplitTies> entries;
+  entries.count(vectors, first_vector, steps, limit_bytes, threshold_bytes);
+  if (probe_stop == kProbeAfterCounts) return false;
+  if (lane == 0) {
+    warp_better[warp] = entries.warp_better();
+    warp_ties[warp] = entries.warp_ties();
+  }
+  __syncthreads();
+  timeline.mark(3);
+  int better_base = 0, ties_base = 0;
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) {
+    better_base += v < warp ? warp_better[v] : 0;
+    ties_base += v < warp ? warp_ties[v] : 0;
+  }
+  entries.write(first_vector, first_position, chunk_skip, better_base, ties_base, out, probe_stop != kProbeNoStores);
+  return true;
+}
+
 // Five resident blocks per multiprocessor (48 registers, no spills; 64 without the bound): a static
 // cache a few slots past a multiple of the chunk (n + decode steps) adds a nearly empty chunk per
 // row, and with four blocks per multiprocessor that fifth block did not fit at the preferred chunk
@@ -536,8 +710,22 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   const int first_vector = warp * vectors_per_warp;
   const uint4* vectors = dynamic_smem;
 
-  // Each warp's entries (better and ties), then their offsets within the chunk.
   const unsigned limit_bytes = unsigned(limit) * 0x01010101u, threshold_bytes = unsigned(threshold) * 0x01010101u;
+  if (steps <= kMaxRegisterSteps && probe_stop != kProbeTwoPass) {  // block-uniform
+    const int chunk_skip = split ? static_cast<int>(skip - ties_before) : 0;
+    const bool finished =
+        split ? count_and_write_from_registers<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes,
+                                                             threshold_bytes, chunk_skip, out, warp_better, warp_ties,
+                                                             probe_stop, timeline)
+              : count_and_write_from_registers<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes,
+                                                              threshold_bytes, 0, out, warp_better, warp_ties,
+                                                              probe_stop, timeline);
+    if (finished) timeline.finish(split, at.chunk_index);
+    return;
+  }
+
+  // Larger chunks (64K positions): each warp's entries (better and ties), then their offsets
+  // within the chunk, then a second pass that writes them.
   unsigned better = 0, ties = 0;
   for (int step = 0; step < steps; ++step) {
     const uint4 d = vectors[first_vector + step * 32 + lane];
@@ -597,8 +785,9 @@ int selection_probe() {
   if (std::strcmp(probe, "counts") == 0) return kProbeAfterCounts;
   if (std::strcmp(probe, "nostores") == 0) return kProbeNoStores;
   if (std::strcmp(probe, "nosplit") == 0) return kProbeNoSplit;
-  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores or nosplit "
-              "(a timing aid), got '",
+  if (std::strcmp(probe, "twopass") == 0) return kProbeTwoPass;
+  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores, nosplit "
+              "or twopass (a timing aid), got '",
               probe, "'");
 }
 
