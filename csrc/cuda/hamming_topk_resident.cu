@@ -494,6 +494,26 @@ struct RegisterEntries {
   }
 };
 
+// Publishes each warp's entry counts (better entries, ties) in shared memory and returns those of the
+// warps before it: the warp's offsets within the chunk. Call from every thread.
+__device__ __forceinline__ int2 warp_offsets_in_chunk(int better, int ties, int32_t* warp_better, int32_t* warp_ties,
+                                                      BlockTimeline& timeline) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    warp_better[warp] = better;
+    warp_ties[warp] = ties;
+  }
+  __syncthreads();
+  timeline.mark(3);
+  int2 before = make_int2(0, 0);
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) {
+    before.x += v < warp ? warp_better[v] : 0;
+    before.y += v < warp ? warp_ties[v] : 0;
+  }
+  return before;
+}
+
 // Phase 2 after the threshold, register path (see RegisterEntries). Returns false when the timing
 // probe stops the kernel after the counts. Call from every thread.
 template <int kGroup, bool kSplitTies>
@@ -502,23 +522,11 @@ __device__ __forceinline__ bool count_and_write_from_registers(const uint4* vect
                                                                unsigned threshold_bytes, int chunk_skip, int32_t* out,
                                                                int32_t* warp_better, int32_t* warp_ties,
                                                                int probe_stop, BlockTimeline& timeline) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   RegisterEntries<kGroup, kSplitTies> entries;
   entries.count(vectors, first_vector, steps, limit_bytes, threshold_bytes);
   if (probe_stop == kProbeAfterCounts) return false;
-  if (lane == 0) {
-    warp_better[warp] = entries.warp_better();
-    warp_ties[warp] = entries.warp_ties();
-  }
-  __syncthreads();
-  timeline.mark(3);
-  int better_base = 0, ties_base = 0;
-#pragma unroll
-  for (int v = 0; v < kWarps; ++v) {
-    better_base += v < warp ? warp_better[v] : 0;
-    ties_base += v < warp ? warp_ties[v] : 0;
-  }
-  entries.write(first_vector, first_position, chunk_skip, better_base, ties_base, out, probe_stop != kProbeNoStores);
+  const int2 before = warp_offsets_in_chunk(entries.warp_better(), entries.warp_ties(), warp_better, warp_ties, timeline);
+  entries.write(first_vector, first_position, chunk_skip, before.x, before.y, out, probe_stop != kProbeNoStores);
   return true;
 }
 
@@ -739,18 +747,8 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   const int warp_better_count = static_cast<int>(__reduce_add_sync(0xffffffffu, better));
   const int warp_tie_count = split ? static_cast<int>(__reduce_add_sync(0xffffffffu, ties)) : 0;
   if (probe_stop == kProbeAfterCounts) return;
-  if (lane == 0) {
-    warp_better[warp] = warp_better_count;
-    warp_ties[warp] = warp_tie_count;
-  }
-  __syncthreads();
-  timeline.mark(3);
-  int better_base = 0, ties_base = 0;
-#pragma unroll
-  for (int v = 0; v < kWarps; ++v) {
-    better_base += v < warp ? warp_better[v] : 0;
-    ties_base += v < warp ? warp_ties[v] : 0;
-  }
+  const int2 before = warp_offsets_in_chunk(warp_better_count, warp_tie_count, warp_better, warp_ties, timeline);
+  const int better_base = before.x, ties_base = before.y;
   if (!split) {
     write_warp_entries<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes, 0,
                                       better_base, 0, out, probe_stop != kProbeNoStores);
