@@ -302,6 +302,31 @@ __device__ __forceinline__ void write_positions(unsigned bits, int position, int
   }
 }
 
+// The entry bits of one lane's 16-position vector of distance bytes (bit i: position 16 vector + i):
+// distances below `limit_bytes`, and with kSplitTies the ties at `threshold_bytes` apart.
+template <int kGroup, bool kSplitTies>
+__device__ __forceinline__ void vector_entry_bits(const uint4& d, unsigned limit_bytes, unsigned threshold_bytes,
+                                                  unsigned& better, unsigned& ties) {
+  const unsigned words[4] = {d.x, d.y, d.z, d.w};
+  better = 0;
+  ties = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    better |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
+    if constexpr (kSplitTies) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
+  }
+}
+
+// A lane's ties at T that the boundary chunk keeps, given the chunk rank of its first tie: the
+// chunk's first chunk_skip ties are dropped, so the lane holding the cut clears its lowest dropped
+// ones (the only loop) and every other lane keeps all or none.
+__device__ __forceinline__ unsigned kept_ties(unsigned ties, int tie_rank, int chunk_skip) {
+  int drop = chunk_skip - tie_rank;
+  unsigned kept = drop >= __popc(ties) ? 0u : ties;
+  for (; drop > 0 && kept != 0; --drop) kept &= kept - 1;
+  return kept;
+}
+
 // Phase 2 of one warp: writes the entries of its segment (`steps` x 512 positions from
 // `first_vector`, 16-position vectors of distance bytes) in position order. Entries: distances
 // below `limit`; with kSplitTies, distances below `threshold` plus the ties at `threshold` from
@@ -314,14 +339,8 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
   const int lane = threadIdx.x & 31;
   for (int step = 0; step < steps; ++step) {
     const int vector = first_vector + step * 32 + lane;
-    const uint4 d = vectors[vector];
-    const unsigned words[4] = {d.x, d.y, d.z, d.w};
-    unsigned better = 0, ties = 0;  // bit i: position 16 vector + i
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      better |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
-      if constexpr (kSplitTies) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
-    }
+    unsigned better, ties;
+    vector_entry_bits<kGroup, kSplitTies>(vectors[vector], limit_bytes, threshold_bytes, better, ties);
     // Inclusive warp scan of both counts (each <= 16 per lane, <= 512 per warp: 16-bit halves).
     const unsigned own = __popc(better) | (kSplitTies ? unsigned(__popc(ties)) << 16 : 0u);
     unsigned inclusive = own;
@@ -335,17 +354,11 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
     if constexpr (!kSplitTies) {
       write_positions(better, position, out + better_base + int(before), stores);
     } else {
-      // The chunk's first chunk_skip ties are dropped, so a lane keeps its ties from chunk rank
-      // chunk_skip on: the lane holding the cut clears its lowest dropped ones (the only loop),
-      // and every lane then writes its kept entries consecutively from
-      // better entries before it + kept ties before it, as the uniform path does. (Deciding tie
-      // by tie instead made the boundary blocks' writes ~1.8x the others' at B = 4 / 128K,
-      // scripts/probe_selection.py --timeline.)
+      // Every lane writes its kept entries consecutively from better entries before it + kept
+      // ties before it, as the uniform path does. (Deciding tie by tie instead made the boundary
+      // blocks' writes ~1.8x the others' at B = 4 / 128K, scripts/probe_selection.py --timeline.)
       const int tie_rank = ties_base + int(before >> 16);
-      int drop = chunk_skip - tie_rank;
-      unsigned kept = drop >= __popc(ties) ? 0u : ties;
-      for (; drop > 0 && kept != 0; --drop) kept &= kept - 1;
-      write_positions(better | kept, position, out + better_base + int(before & 0xffffu) + max(tie_rank - chunk_skip, 0),
+      write_positions(better | kept_ties(ties, tie_rank, chunk_skip), position, out + better_base + int(before & 0xffffu) + max(tie_rank - chunk_skip, 0),
                       stores);
     }
     better_base += int(step_total & 0xffffu);
@@ -432,14 +445,9 @@ struct RegisterEntries {
     for (int s = 0; s < kMaxRegisterSteps; ++s) {
       masks[s] = 0;
       if (s < steps) {
-        const uint4 d = vectors[first_vector + s * 32 + lane];
-        const unsigned words[4] = {d.x, d.y, d.z, d.w};
-        unsigned better = 0, ties = 0;  // bit i: position 16 vector + i
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          better |= flags_to_bits(DistanceBytes<kGroup>::less(words[k], limit_bytes)) << (4 * k);
-          if constexpr (kSplitTies) ties |= flags_to_bits(bytes_equal(words[k], threshold_bytes)) << (4 * k);
-        }
+        unsigned better, ties;
+        vector_entry_bits<kGroup, kSplitTies>(vectors[first_vector + s * 32 + lane], limit_bytes, threshold_bytes,
+                                              better, ties);
         masks[s] = better | ties << 16;
         better_own.put(s, __popc(better));
         if constexpr (kSplitTies) ties_own.put(s, __popc(ties));
@@ -479,13 +487,9 @@ struct RegisterEntries {
         if constexpr (!kSplitTies) {
           write_positions(better, position, out + better_base + before, stores);
         } else {  // the boundary chunk: as in write_warp_entries
-          const unsigned ties = masks[s] >> 16;
           const int tie_rank = ties_base + static_cast<int>(ties_before.get(s));
-          int drop = chunk_skip - tie_rank;
-          unsigned kept = drop >= __popc(ties) ? 0u : ties;
-          for (; drop > 0 && kept != 0; --drop) kept &= kept - 1;
-          write_positions(better | kept, position, out + better_base + before + max(tie_rank - chunk_skip, 0),
-                          stores);
+          write_positions(better | kept_ties(masks[s] >> 16, tie_rank, chunk_skip), position,
+                          out + better_base + before + max(tie_rank - chunk_skip, 0), stores);
         }
         better_base += static_cast<int>(better_total.get(s));
         if constexpr (kSplitTies) ties_base += static_cast<int>(ties_total.get(s));
