@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_METHODS = "dense,hash-query_head-32,hash-query_head-16,hash-kv_group-32,hash-kv_group-16"
 DENSE_ATTENTION_NAME = "bench_dense"
@@ -121,6 +122,9 @@ def parse_args(argv=None):
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="profile this many extra decode steps per method (GPU kernel time by category, "
                              "host-sync calls per step); 0 = off")
+    parser.add_argument("--trace-dir", default=None,
+                        help="also write each method's profiled steps as a Chrome trace (trace_B<b>_n<n>_<method>"
+                             ".json.gz) into this folder and store where the GPU idles (scripts/timeline_gaps.py)")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     args = parser.parse_args(argv)
     try:
@@ -619,14 +623,16 @@ def kernel_category(name: str) -> str:
     return next((c for c, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other")
 
 
-def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mask, device, mark: bool) -> dict:
+def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mask, device, mark: bool,
+                   trace_path: Optional[str] = None) -> dict:
     """Kernel time per decode step by category (and the top kernels), and host-sync runtime calls per step.
 
     CUDA: GPU kernels. ``attention`` = attention kernels (FlashAttention / cuDNN / SDPA /
     ``sparse_attention_kernel``), ``selection`` = HashAttention's top-k kernels, ``encode`` = its
     signature encoder (the fused decode-step kernel, or sign-and-pack after cuBLAS products, which
     then count under ``gemm`` with the model's). CPU (smoke
-    tests): the self time of the operators instead of kernels.
+    tests): the self time of the operators instead of kernels. With ``trace_path``, the Chrome trace is
+    written there and ``timeline`` says where the GPU idled between kernels (``timeline_gaps.summarize``).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -664,10 +670,22 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
             (categories.get("attention", 0.0) + categories.get("selection", 0.0)) / total if total else None,
         "host_sync_calls_per_step": syncs, "launches_per_step": sum(k["launches_per_step"] for k in kernels),
         "top_kernels": kernels[:40],
+        **({"timeline": trace_timeline(prof, trace_path, steps)} if trace_path else {}),
     }
 
 
-def run_method(model, cache, first_token, valid: int, args, device):
+def trace_timeline(prof, path: str, steps: int) -> dict:
+    """Write the profiler's Chrome trace to ``path`` and summarize the GPU's idle gaps in it."""
+    from timeline_gaps import load_events, render, summarize
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(path)
+    summary = summarize(load_events(path), steps)
+    print("    timeline: " + render(summary).replace("\n", "\n      "), flush=True)
+    return summary
+
+
+def run_method(model, cache, first_token, valid: int, args, device, trace_path: Optional[str] = None):
     """Compile, warm up, rewind and time ``args.steps`` decode steps. Returns the measurements."""
     from torch._dynamo.utils import counters
 
@@ -697,7 +715,7 @@ def run_method(model, cache, first_token, valid: int, args, device):
         if args.profile_steps > 0:
             try:
                 result["profile"] = profile_decode(forward, cache, first_token, valid, args.profile_steps, full_mask,
-                                                   device, mark)
+                                                   device, mark, trace_path=trace_path)
             except Exception as error:  # the profile is extra evidence; never lose the timing for it
                 result["profile"] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     result["decode_s"] = t.seconds
@@ -1060,7 +1078,8 @@ class Benchmark:
                 result = self.measure_dense(cell, method, row)
             elif method.kind == "dense-hf":
                 self.model.set_attn_implementation("sdpa")
-                result = run_method(self.model, cell.base, cell.first_token, cell.n, args, self.device)
+                result = run_method(self.model, cell.base, cell.first_token, cell.n, args, self.device,
+                                    self.trace_path(cell, method))
             else:
                 result = self.measure_hash(cell, method, row)
             row.update(result, status="ok")
@@ -1093,6 +1112,11 @@ class Benchmark:
             self.save(row=row)
             release(self.device)
 
+    def trace_path(self, cell: Cell, method: Method) -> Optional[str]:
+        if not self.args.trace_dir:
+            return None
+        return os.path.join(self.args.trace_dir, f"trace_B{cell.batch}_n{cell.n}_{method.name}.json.gz")
+
     def dense_from_earlier_run(self, cell: Cell, row: dict) -> None:
         """Without dense in this run, compare with a dense row of an earlier run of the day on the same cell setup."""
         earlier = next((r for r in self.record["rows"] if r["status"] == "ok" and r["method"] == "dense"
@@ -1112,7 +1136,8 @@ class Benchmark:
             DENSE_STATE["decode"] = backend
             try:
                 with sdpa_backend(backend, self.device):
-                    result = run_method(self.model, cell.base, cell.first_token, cell.n, self.args, self.device)
+                    result = run_method(self.model, cell.base, cell.first_token, cell.n, self.args, self.device,
+                                        self.trace_path(cell, method))
             except Exception as error:
                 if backend == cell.dense_order[-1]:
                     raise
@@ -1137,7 +1162,8 @@ class Benchmark:
         row["signature_bytes"] = cell.batch * self.config.num_hidden_layers * adapters.config.num_key_signature_heads \
             * cell.n * 4 * adapters.config.words
         with patch(self.model, adapters, hconfig):
-            result = run_method(self.model, cache, cell.first_token, cell.n, self.args, self.device)
+            result = run_method(self.model, cache, cell.first_token, cell.n, self.args, self.device,
+                                self.trace_path(cell, method))
         if not self.args.no_attention_share:
             rewind(cache, cell.n)
             with torch.no_grad():

@@ -35,7 +35,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
     """Every (B, n, method) cell is measured; at a budget covering the cache HashAttention decodes dense's tokens."""
     methods = ["dense", "hash-query_head-full", "hash-kv_group-full", "hash-query_head-32"]
     command = [sys.executable, SCRIPT, *TINY, "--contexts", "96", "--batches", "1,2", "--steps", "4", "--profile-steps", "1",
-               "--methods", ",".join(methods), "--out", str(tmp_path)]
+               "--methods", ",".join(methods), "--out", str(tmp_path), "--trace-dir", str(tmp_path / "traces")]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record, md_path = load_record(tmp_path)
@@ -64,6 +64,9 @@ def test_cli_end_to_end_tiny_model(tmp_path):
         assert profile["kernel_us_per_step"] > 0 and profile["category_us_per_step"]["selection"] > 0
         assert dense["profile"]["category_us_per_step"]["attention"] > 0
         assert profile["host_sync_calls_per_step"] == {}  # the CPU has no CUDA runtime calls to count
+        for method in methods:  # each method's profiled steps as a Chrome trace, summarized (no GPU events here)
+            assert os.path.getsize(tmp_path / "traces" / f"trace_B{batch}_n96_{method}.json.gz") > 0
+            assert rows[(batch, 96, method)]["profile"]["timeline"]["gpu_events"] == 0
     fills = {(f["B"], f["n"]): f for f in record["fills"]}
     assert set(fills) == {(1, 96), (2, 96)}
     assert all(f["encode_s"]["query"] > 0 and f["encode_s"]["kv"] > 0 for f in fills.values())

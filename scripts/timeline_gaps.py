@@ -1,0 +1,148 @@
+"""Where a GPU timeline is idle: gaps between kernels in a torch.profiler (Kineto) Chrome trace.
+
+The kernel time of a decode step can match its wall time or fall short of it; the difference is GPU
+idle time. This finds where the idle time sits: between which kernels, and whether the host had
+already issued the next kernel (or CUDA-graph replay) when the GPU went idle (a device-side gap:
+graph-launch latency, stream waits) or issued it only later (a host-bound gap: Python, guards,
+allocator, synchronisation). It also totals the CUDA runtime calls, so that a call that blocks the
+host (a full launch queue shows up as a long ``cudaGraphLaunch``/``cudaLaunchKernel``, a sync as
+``cudaStreamSynchronize``/``cudaMemcpyAsync``) stands out.
+
+    python scripts/timeline_gaps.py trace.json.gz --steps 16     # a trace written by export_chrome_trace
+
+``bench_generate.py --trace-dir DIR`` writes one trace per method and stores this summary in its JSON.
+Timestamps: Kineto puts GPU activity on the host's clock, so host/GPU comparisons are good to about
+a microsecond, which is why gaps below ``floor_us`` are not attributed.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from typing import Dict, Iterable, List, Optional
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def short_name(name: str, width: int = 56) -> str:
+    """A kernel's name without namespaces, template arguments and parameters (``void a::b<c>(d)`` -> ``b``)."""
+    text = re.sub(r"^void ", "", name).replace("->", " to ")  # "->" would close a bracket
+    depth, out = 0, []
+    for ch in text:  # drop <...> and (...) at any depth
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out).strip() or name
+    return text.split("::")[-1][:width]
+
+
+def load_events(path: str) -> List[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        data = json.load(handle)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _complete(events: Iterable[dict], categories) -> List[dict]:
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in categories and "dur" in e]
+
+
+def summarize(events: List[dict], steps: int, floor_us: float = 1.0, top: int = 12) -> Dict[str, object]:
+    """Busy and idle GPU time per step over the traced region, the largest gap sources, the runtime calls.
+
+    ``events``: Chrome-trace events (``traceEvents``); ``steps``: decode steps in the trace (values are
+    divided by it). Gaps are grouped by (previous kernel, next kernel, how the next was launched,
+    whether the host issued it before the GPU went idle).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    gpu = sorted(_complete(events, GPU_CATEGORIES), key=lambda e: e["ts"])
+    host = _complete(events, HOST_CATEGORIES)
+    launch_by_correlation = {e["args"]["correlation"]: e for e in host
+                             if isinstance(e.get("args"), dict) and "correlation" in e["args"]}
+    calls: Dict[str, Dict[str, float]] = {}
+    for e in host:
+        c = calls.setdefault(e["name"], {"count": 0, "total_us": 0.0, "max_us": 0.0})
+        c["count"] += 1
+        c["total_us"] += e["dur"]
+        c["max_us"] = max(c["max_us"], e["dur"])
+    runtime = sorted(({"call": k, "per_step": v["count"] / steps, "us_per_step": v["total_us"] / steps,
+                       "max_us": v["max_us"]} for k, v in calls.items()), key=lambda r: -r["us_per_step"])
+    if not gpu:
+        return {"steps": steps, "gpu_events": 0, "runtime_calls": runtime[:top]}
+
+    busy = idle_attributed = 0.0
+    groups: Dict[tuple, Dict[str, float]] = {}
+    start, end = gpu[0]["ts"], gpu[0]["ts"] + gpu[0]["dur"]
+    last_name, busy_start = gpu[0]["name"], start
+    for e in gpu[1:]:
+        e_end = e["ts"] + e["dur"]
+        if e["ts"] > end:  # the GPU was idle from `end` to e["ts"]
+            busy += end - busy_start
+            gap = e["ts"] - end
+            if gap >= floor_us:
+                launch = launch_by_correlation.get((e.get("args") or {}).get("correlation"))
+                call = launch["name"] if launch else "?"
+                issued_before_idle = launch is not None and launch["ts"] + launch["dur"] <= end
+                key = (short_name(last_name), short_name(e["name"]), call,
+                       "issued before idle" if issued_before_idle else "issued after idle" if launch else "unknown")
+                g = groups.setdefault(key, {"count": 0, "total_us": 0.0, "max_us": 0.0})
+                g["count"] += 1
+                g["total_us"] += gap
+                g["max_us"] = max(g["max_us"], gap)
+                idle_attributed += gap
+            busy_start = e["ts"]
+        if e_end >= end:
+            end, last_name = e_end, e["name"]
+    busy += end - busy_start
+    span = end - start
+    gaps = sorted(({"after": k[0], "before": k[1], "launched_by": k[2], "host": k[3],
+                    "per_step": v["count"] / steps, "us_per_step": v["total_us"] / steps, "max_us": v["max_us"]}
+                   for k, v in groups.items()), key=lambda g: -g["us_per_step"])
+    by_host: Dict[str, float] = {}
+    for g in gaps:
+        by_host[g["host"]] = by_host.get(g["host"], 0.0) + g["us_per_step"]
+    return {
+        "steps": steps, "gpu_events": len(gpu), "span_us_per_step": span / steps,
+        "busy_us_per_step": busy / steps, "idle_us_per_step": (span - busy) / steps,
+        "idle_attributed_us_per_step": idle_attributed / steps, "gap_floor_us": floor_us,
+        "idle_us_per_step_by_host_state": by_host, "top_gaps": gaps[:top], "runtime_calls": runtime[:top],
+    }
+
+
+def render(summary: Dict[str, object]) -> str:
+    """Plain-text report of ``summarize``'s result."""
+    if not summary.get("gpu_events"):
+        return "no GPU activity in the trace"
+    lines = [f"per step over {summary['steps']} steps: span {summary['span_us_per_step']:.1f} us, busy "
+             f"{summary['busy_us_per_step']:.1f}, idle {summary['idle_us_per_step']:.1f} "
+             f"(gaps >= {summary['gap_floor_us']} us: {summary['idle_attributed_us_per_step']:.1f})",
+             "idle by host state: " + ", ".join(f"{k} {v:.1f} us" for k, v in
+                                               summary["idle_us_per_step_by_host_state"].items()),
+             "largest gap sources (us per step, gaps per step, max us | after -> before | launch, host):"]
+    for g in summary["top_gaps"]:
+        lines.append(f"  {g['us_per_step']:8.1f} {g['per_step']:6.2f} {g['max_us']:8.1f} | {g['after']} -> "
+                     f"{g['before']} | {g['launched_by']}, {g['host']}")
+    lines.append("runtime calls (us per step, calls per step, max us):")
+    for r in summary["runtime_calls"]:
+        lines.append(f"  {r['us_per_step']:8.1f} {r['per_step']:8.2f} {r['max_us']:9.1f}  {r['call']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace", help="Chrome trace (.json or .json.gz) from torch.profiler's export_chrome_trace")
+    parser.add_argument("--steps", type=int, default=1, help="decode steps in the trace (values are per step)")
+    parser.add_argument("--floor-us", type=float, default=1.0, help="smallest gap attributed to a source")
+    parser.add_argument("--top", type=int, default=12, help="rows per table")
+    args = parser.parse_args(argv)
+    print(render(summarize(load_events(args.trace), args.steps, args.floor_us, args.top)))
+
+
+if __name__ == "__main__":
+    main()
