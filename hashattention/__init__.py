@@ -11,7 +11,7 @@ from ._library import load_extension
 
 _C = load_extension()
 
-from . import ops, padding, reference  # noqa: E402
+from . import bounds, ops, padding, reference  # noqa: E402
 from .adapters import AdapterConfig, HashAdapters  # noqa: E402
 from .config import HashAttentionConfig  # noqa: E402
 from .ops import (  # noqa: E402

@@ -40,6 +40,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import ops
 from .adapters import LayerAdapter
 from .config import HashAttentionConfig
+from .bounds import budgets_from_valid_keys
 from .padding import first_visible_key
 
 ATTENTION_NAME = "hashattention"
@@ -57,6 +58,9 @@ class LayerRuntime:
     #: model's first sparse layer computes them, later ones read them); None: every call computes
     #: its own.
     start_layer_index: Optional[int] = None
+    #: The model's last sparse layer: it ends the forward's use of the shared bounds
+    #: (:meth:`hashattention.cache.SharedSelectionBounds.release`).
+    last_sparse_layer: bool = False
 
 
 def hashattention_mask(*args, **kwargs) -> Optional[Tensor]:
@@ -98,6 +102,7 @@ def selection_bounds(
     device,
     cache_layer=None,
     start_layer=None,
+    last_layer: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """int32 ``(B,)`` valid lengths, left-padding offsets and heavy-token budgets, once per forward pass.
 
@@ -106,29 +111,44 @@ def selection_bounds(
     it is this call's own ``cache_layer``, all three are computed and stored there; later layers
     load them (see :class:`hashattention.cache.SharedSelectionBounds`): every layer of a forward
     has appended the same tokens by its attention. Without a mask (no padding) there is nothing
-    to reduce and each layer computes its own.
+    to reduce and each layer computes its own. ``last_layer``: this is the model's last sparse
+    layer, after which the forward no longer needs the stored bounds.
     """
+    bounds = None
     if attention_mask is not None and start_layer is not None and start_layer is not cache_layer:
-        stored = start_layer.selection_bounds.load(attention_mask, batch_size)
-        if stored is not None:
-            return tuple(t.to(device) for t in stored)
-    lengths = valid_lengths()
-    start_positions = start_positions_from_mask(attention_mask, batch_size, device)
-    budgets = heavy_budgets(config, lengths - start_positions)
-    if attention_mask is not None and start_layer is not None and start_layer is cache_layer:
-        start_layer.selection_bounds.store(lengths, start_positions, budgets, attention_mask)
-    return lengths, start_positions, budgets
+        bounds = start_layer.selection_bounds.load(attention_mask, batch_size)
+        if bounds is not None:
+            bounds = tuple(t.to(device) for t in bounds)
+    if bounds is None:
+        bounds = compute_selection_bounds(config, attention_mask, valid_lengths(), batch_size)
+        if attention_mask is not None and start_layer is not None and start_layer is cache_layer:
+            start_layer.selection_bounds.store(*bounds, attention_mask)
+    if last_layer and start_layer is not None:
+        start_layer.selection_bounds.release()
+    return bounds
+
+
+def compute_selection_bounds(
+    config: HashAttentionConfig, attention_mask: Optional[Tensor], lengths: Tensor, batch_size: int
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """int32 ``(B,)`` lengths, left-padding offsets and budgets from ``lengths`` (integer ``(B,)``) and
+    SDPA's boolean ``(B or 1, 1, L, N)`` mask (or None), in one op call (:mod:`hashattention.bounds`
+    says why it is an op)."""
+    visible = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"hashattention expects a boolean attention mask, got {attention_mask.dtype}")
+        visible = attention_mask[:, 0, -1, :].expand(batch_size, -1)
+    return torch.ops.hashattention.selection_bounds(
+        lengths, visible, config.sparsity, config.budget_tokens, config.window_tokens, config.dense_below_tokens
+    )
 
 
 def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
     """int32 ``(B,)`` signature-selected tokens per sequence from its valid key count (on the device)."""
-    if config.budget_tokens is not None:
-        total = torch.full_like(valid_keys, config.budget_tokens)
-    else:
-        total = torch.floor(valid_keys.to(torch.float64) / config.sparsity).to(torch.int32)
-    if config.dense_below_tokens > 0:
-        total = torch.where(valid_keys < config.dense_below_tokens, valid_keys, total)
-    return (total - config.window_tokens).clamp(min=0).to(torch.int32)
+    return budgets_from_valid_keys(
+        valid_keys, config.sparsity, config.budget_tokens, config.window_tokens, config.dense_below_tokens
+    )
 
 
 def select_and_attend(
@@ -218,7 +238,8 @@ def hashattention_attention_forward(
         def valid_lengths():
             return cache_layer.valid_lengths(batch, query.device)
     lengths, start_positions, budgets = selection_bounds(
-        runtime.config, attention_mask, valid_lengths, batch, query.device, cache_layer, start_layer
+        runtime.config, attention_mask, valid_lengths, batch, query.device, cache_layer, start_layer,
+        last_layer=runtime.last_sparse_layer,
     )
 
     sparse_out = select_and_attend(

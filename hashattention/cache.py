@@ -75,6 +75,13 @@ class SharedSelectionBounds:
     dynamic cache keeps the tensors. ``mask`` remembers, outside torch.compile, which mask they
     came from, so that a layer called on its own with another mask recomputes instead of reading
     stale values. (A compiled forward runs the layers in order, so it reads without that check.)
+
+    Under torch.compile later layers read the traced tensors themselves (``traced``, the outputs of
+    one :func:`hashattention.bounds.selection_bounds` op call) and the buffers are not written: no
+    eager reader could use them (the mask check), and a buffer read back in the graph that copied
+    into it is, to inductor, the copied expression again. The model's last sparse layer
+    :meth:`release` s the traced tensors, so none outlives the graph (it would become a graph output
+    that a CUDA graph overwrites on its next replay).
     """
 
     def __init__(self):
@@ -82,6 +89,7 @@ class SharedSelectionBounds:
         self.start_positions: Optional[Tensor] = None
         self.budgets: Optional[Tensor] = None
         self.mask: Optional[Tensor] = None
+        self.traced: Optional[Tuple[Tensor, Tensor, Tensor]] = None
 
     def allocate(self, batch_size: int, device) -> None:
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
@@ -92,23 +100,33 @@ class SharedSelectionBounds:
                 torch._dynamo.mark_static_address(buffer)
 
     def store(self, lengths: Tensor, start_positions: Tensor, budgets: Tensor, mask: Tensor) -> None:
+        if is_torchdynamo_compiling():  # later layers of the graph read these; nothing outside it does
+            self.traced = (lengths, start_positions, budgets)
+            return
         if self.start_positions is not None and self.start_positions.shape == start_positions.shape:
             self.lengths.copy_(lengths)
             self.start_positions.copy_(start_positions)
             self.budgets.copy_(budgets)
         else:
             self.lengths, self.start_positions, self.budgets = lengths, start_positions, budgets
-        if not is_torchdynamo_compiling():
-            self.mask = mask
+        self.mask = mask
 
     def load(self, mask: Tensor, batch_size: int) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
         """``(lengths, start_positions, budgets)`` if they belong to ``mask`` (always assumed under
         torch.compile), else None."""
+        if is_torchdynamo_compiling():
+            if self.traced is None or self.traced[1].shape[0] != batch_size:
+                return None
+            return self.traced
         if self.start_positions is None or self.start_positions.shape[0] != batch_size:
             return None
-        if not is_torchdynamo_compiling() and self.mask is not mask:
+        if self.mask is not mask:
             return None
         return self.lengths, self.start_positions, self.budgets
+
+    def release(self) -> None:
+        """Drop the traced bounds at the end of a compiled forward (no-op outside torch.compile)."""
+        self.traced = None
 
 
 class SignatureDynamicLayer(DynamicLayer):

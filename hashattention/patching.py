@@ -140,6 +140,7 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
             selection_heads=selection_heads,
             dense=index in config.dense_layers,
             start_layer_index=sparse_layers[0] if sparse_layers else None,
+            last_sparse_layer=bool(sparse_layers) and index == sparse_layers[-1],
         )
         hook = functools.partial(_inject_layer_state, runtime)
         hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True))

@@ -44,6 +44,8 @@ def sample_calls(device):
         ("sparse_attention", (q, k, v, indices, counts, None, 0.125)),
         ("sparse_attention", (q, k_pages, k_pages, indices % 28, None, block_table, 0.125)),
         ("first_visible_key", (torch.rand(3, 50, generator=g).to(device) > 0.7,)),
+        ("selection_bounds", (lengths, torch.rand(2, 50, generator=g).to(device) > 0.7, 8.0, None, 6, 0)),
+        ("selection_bounds", (lengths.long(), None, None, 20, 6, 40)),
     ]
 
 

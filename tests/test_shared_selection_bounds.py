@@ -51,13 +51,13 @@ def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_la
     with patch(model, adapters, config):
         shared = decode(model, ids, mask, make_cache(), steps=3)
     calls, length_reads = [], []
-    original = attention_module.start_positions_from_mask
+    original = attention_module.compute_selection_bounds
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention_module, "start_positions_from_mask", counting)
+    monkeypatch.setattr(attention_module, "compute_selection_bounds", counting)
     for layer_type in SIGNATURE_LAYERS:
         def counting_lengths(self, *args, _original=layer_type.valid_lengths, **kwargs):
             length_reads.append(1)
@@ -71,7 +71,7 @@ def test_offsets_are_computed_once_per_forward(monkeypatch, cache_kind, dense_la
     # Every layer computing its own offsets and budgets (no start layer) gives the same logits.
     selection_bounds = attention_module.selection_bounds
     monkeypatch.setattr(attention_module, "selection_bounds",
-                        lambda config, mask, lengths, batch, device, *layers: selection_bounds(
+                        lambda config, mask, lengths, batch, device, *layers, **kwargs: selection_bounds(
                             config, mask, lengths, batch, device))
     with patch(model, adapters, config):
         per_layer = decode(model, ids, mask, make_cache(), steps=3)
@@ -95,13 +95,17 @@ def test_compiled_step_reads_the_shared_offsets():
         torch.testing.assert_close(got, want, **LOGIT_TOLERANCE, msg=lambda m: f"step {step}: {m}")
 
 
-def test_compiled_step_reduces_the_mask_once_through_the_op():
-    """The compiled decode step calls first_visible_key once per forward and has no reduction of
-    the mask of its own: an inline reduction fused with the budget arithmetic was a kernel Triton 3.6
-    could not compile."""
+def test_compiled_step_computes_the_bounds_once_through_the_op():
+    """The compiled decode step calls selection_bounds once per forward, every layer's selection reads
+    its three output buffers (inductor recomputed inline bounds once per reading layer), and the mask
+    has no reduction of its own (an inline one fused with the budget arithmetic was a kernel Triton 3.6
+    could not compile). No traced bounds outlive the forward."""
+    import re
+
     from torch._inductor.utils import run_and_get_code
 
-    model = tiny_model("llama", layers=3)
+    layers = 3
+    model = tiny_model("llama", layers=layers)
     ids, mask = left_padded([19, 11], seed=45)
     with patch(model, tiny_adapters(model), HashAttentionConfig(**CONFIG)), torch.no_grad():
         cache = StaticCache(config=model.config, max_cache_len=24)
@@ -112,8 +116,14 @@ def test_compiled_step_reduces_the_mask_once_through_the_op():
         _, code = run_and_get_code(step, input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
                                    past_key_values=cache)
     source = "\n".join(code)
-    assert source.count("hashattention.first_visible_key.default(") == 1
+    assert source.count("hashattention.selection_bounds.default(") == 1
     assert "amin" not in source and "argmax" not in source
+    selections = re.findall(r"hashattention\.hamming_topk\.default\(([^)]*)\)", source)
+    assert len(selections) == layers
+    # hamming_topk(query_signatures, key_signatures, lengths, start_positions, budgets, ...)
+    bounds = {tuple(a.strip() for a in args.split(",")[2:5]) for args in selections}
+    assert len(bounds) == 1, f"layers read different bounds buffers: {bounds}"
+    assert all(layer.selection_bounds.traced is None for layer in cache.layers)
 
 
 def test_shared_bounds_are_not_read_for_another_mask_or_batch():
