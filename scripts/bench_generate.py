@@ -854,6 +854,19 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def link_to_later_dense(rows: List[dict], dense: dict) -> None:
+    """Give the rows of ``dense``'s cell that ran before it (an earlier process of the day, one method per
+    process) their ratio and token agreement with it, as a dense row run first would have."""
+    same_cell = ("B", "n", "fill", "steps")
+    for r in rows:
+        if (r is dense or r["status"] != "ok" or r["method"] == "dense" or r.get("ratio_to_dense") is not None
+                or any(r.get(k) != dense.get(k) for k in same_cell)):
+            continue
+        r["ratio_to_dense"] = r["tokens_per_s"] / dense["tokens_per_s"]
+        r["first_divergence_from_dense"] = first_divergence(r["generated_tokens"], dense["generated_tokens"])
+        r["dense_from_later_run"] = True
+
+
 def target_line(record, batch, n, method, target) -> str:
     row = next((r for r in record["rows"] if (r["B"], r["n"], r["method"]) == (batch, n, method)), None)
     label = f"B = {batch}, {human_n(n)}, {method}: target >= {target}x tokens/s over dense"
@@ -944,6 +957,8 @@ class Benchmark:
         r = self.record
         if row is not None:
             r["rows"] = [x for x in r["rows"] if cell_key(x) != cell_key(row)] + [row]
+            if row["method"] == "dense" and row["status"] == "ok":
+                link_to_later_dense(r["rows"], row)
         if fill is not None:
             r["fills"] = [x for x in r["fills"] if (x["B"], x["n"]) != (fill["B"], fill["n"])] + [fill]
         if check is not None:

@@ -93,13 +93,34 @@ def test_prefill_fill_and_merge(tmp_path):
     assert rows["hash-query_head-full"]["dense_from_earlier_run"] and rows["hash-query_head-full"]["ratio_to_dense"] > 0
     assert rows["hash-query_head-full"]["first_divergence_from_dense"] == 3  # same random tokens, same cache
 
+    # one method per process in the other order: dense last still gives the earlier rows their ratio
+    bench.main([*common, "--methods", "hash-query_head-32", "--fresh"])
+    record, md_path = load_record(tmp_path)
+    assert "ratio_to_dense" not in record["rows"][0]
+    bench.main([*common, "--methods", "dense"])
+    record, md_path = load_record(tmp_path)
+    rows = {r["method"]: r for r in record["rows"]}
+    sparse = rows["hash-query_head-32"]
+    assert sparse["dense_from_later_run"]
+    assert sparse["ratio_to_dense"] == pytest.approx(sparse["tokens_per_s"] / rows["dense"]["tokens_per_s"])
+    assert sparse["first_divergence_from_dense"] == first_divergence_reference(
+        sparse["generated_tokens"], rows["dense"]["generated_tokens"])
+    assert f"| 2 | 80 | hash-query_head-32 | {sparse['tokens_per_s']:.1f} | {sparse['ms_per_step']:.2f} | " \
+           f"{sparse['ratio_to_dense']:.2f}x |" in open(md_path).read()
+
     bench.main([*common, "--methods", "hash-query_head-16", "--time-budget-s", "0"])
     record, _ = load_record(tmp_path)
     methods = {r["method"]: r for r in record["rows"]}
-    assert set(methods) == {"dense", "hash-kv_group-full", "hash-query_head-full", "hash-query_head-16"}
+    assert set(methods) == {"dense", "hash-query_head-32", "hash-query_head-16"}
     assert methods["hash-query_head-16"]["status"] == "skipped"
     assert "time budget" in methods["hash-query_head-16"]["reason"]
     assert len(record["runs"]) == 3
+
+
+def first_divergence_reference(tokens, reference):
+    """Steps until the first step where any sequence's token differs (all steps if none)."""
+    steps = len(tokens[0])
+    return next((s for s in range(steps) if any(t[s] != r[s] for t, r in zip(tokens, reference))), steps)
 
 
 def emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
