@@ -6,7 +6,8 @@ already issued the next kernel (or CUDA-graph replay) when the GPU went idle (a 
 graph-launch latency, stream waits) or issued it only later (a host-bound gap: Python, guards,
 allocator, synchronisation). It also totals the CUDA runtime calls, so that a call that blocks the
 host (a full launch queue shows up as a long ``cudaGraphLaunch``/``cudaLaunchKernel``, a sync as
-``cudaStreamSynchronize``/``cudaMemcpyAsync``) stands out.
+``cudaStreamSynchronize``/``cudaMemcpyAsync``) stands out, and summarizes each CUDA-graph replay (kernels,
+span, kernel time, idle time inside it and before it).
 
     python scripts/timeline_gaps.py trace.json.gz --steps 16     # a trace written by export_chrome_trace
 
@@ -112,6 +113,43 @@ def summarize(events: List[dict], steps: int, floor_us: float = 1.0, top: int = 
         "busy_us_per_step": busy / steps, "idle_us_per_step": (span - busy) / steps,
         "idle_attributed_us_per_step": idle_attributed / steps, "gap_floor_us": floor_us,
         "idle_us_per_step_by_host_state": by_host, "top_gaps": gaps[:top], "runtime_calls": runtime[:top],
+        "graph_replays": graph_replays(gpu, host),
+    }
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def graph_replays(gpu: List[dict], host: List[dict]) -> Dict[str, object]:
+    """CUDA-graph replays (``cudaGraphLaunch``; their kernels carry its correlation id): how many, and the
+    medians of kernels per replay, span (first kernel start to last end), kernel time, idle time inside
+    the span, and the idle time before each replay's first kernel since the previous replay's last one."""
+    launches = sorted((e for e in host if e["name"] == "cudaGraphLaunch"), key=lambda e: e["ts"])
+    members: Dict[object, List[dict]] = {e["args"].get("correlation"): [] for e in launches
+                                          if isinstance(e.get("args"), dict)}
+    for e in gpu:
+        correlation = (e.get("args") or {}).get("correlation")
+        if correlation in members:
+            members[correlation].append(e)
+    replays = []
+    for kernels in members.values():
+        if kernels:
+            start, end = min(k["ts"] for k in kernels), max(k["ts"] + k["dur"] for k in kernels)
+            replays.append((start, end, len(kernels), sum(k["dur"] for k in kernels)))
+    replays.sort()
+    if not replays:
+        return {"replays": 0}
+    before = [b[0] - a[1] for a, b in zip(replays, replays[1:])]
+    return {
+        "replays": len(replays),
+        "kernels": _median([r[2] for r in replays]),
+        "span_us": _median([r[1] - r[0] for r in replays]),
+        "kernel_us": _median([r[3] for r in replays]),
+        "idle_inside_us": _median([r[1] - r[0] - r[3] for r in replays]),
+        "idle_before_us": _median(before) if before else None,
     }
 
 
@@ -128,6 +166,11 @@ def render(summary: Dict[str, object]) -> str:
     for g in summary["top_gaps"]:
         lines.append(f"  {g['us_per_step']:8.1f} {g['per_step']:6.2f} {g['max_us']:8.1f} | {g['after']} -> "
                      f"{g['before']} | {g['launched_by']}, {g['host']}")
+    g = summary.get("graph_replays") or {}
+    if g.get("replays"):
+        lines.append(f"CUDA-graph replays: {g['replays']}, medians: {g['kernels']:g} kernels, span {g['span_us']:.1f} us, "
+                     f"kernels {g['kernel_us']:.1f} us, idle inside {g['idle_inside_us']:.1f} us, idle before "
+                     + ("-" if g["idle_before_us"] is None else f"{g['idle_before_us']:.1f} us"))
     lines.append("runtime calls (us per step, calls per step, max us):")
     for r in summary["runtime_calls"]:
         lines.append(f"  {r['us_per_step']:8.1f} {r['per_step']:8.2f} {r['max_us']:9.1f}  {r['call']}")

@@ -90,3 +90,19 @@ def test_cli_reads_gzipped_trace(tmp_path):
     done = subprocess.run([sys.executable, SCRIPT, str(path), "--steps", "2"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "span 31.0 us" in done.stdout and "b_kernel -> c_kernel | cudaGraphLaunch, issued before idle" in done.stdout
+
+
+def test_graph_replays():
+    """Per replay of a CUDA graph (kernels share its launch's correlation id): medians of its kernels, span,
+    kernel time and idle time inside it, and of the idle time since the previous replay's last kernel."""
+    assert timeline_gaps.summarize(trace(), steps=2)["graph_replays"] == {
+        "replays": 1, "kernels": 2, "span_us": 20, "kernel_us": 19.5, "idle_inside_us": 0.5, "idle_before_us": None}
+    events = []
+    for i, (start, gap) in enumerate([(100, 3), (200, 1), (300, 2)]):  # three replays of two kernels each
+        events += [runtime("cudaGraphLaunch", start - 90, 5, 10 + i), kernel("x", start, 40, 10 + i),
+                   kernel("y", start + 40 + gap, 50, 10 + i)]
+    events.append(kernel("eager", 195, 2, 99))  # between replays; not part of one
+    replays = timeline_gaps.summarize(events, steps=3)["graph_replays"]
+    assert replays["replays"] == 3 and replays["kernels"] == 2 and replays["kernel_us"] == 90
+    assert replays["span_us"] == 92 and replays["idle_inside_us"] == 2  # medians of 93/91/92 and 3/1/2
+    assert replays["idle_before_us"] == pytest.approx((200 - 193 + 300 - 291) / 2)  # median of two: 7 and 9
