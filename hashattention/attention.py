@@ -36,11 +36,12 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
+from transformers.utils import is_torchdynamo_compiling
 
 from . import ops
 from .adapters import LayerAdapter
-from .config import HashAttentionConfig
 from .bounds import budgets_from_valid_keys
+from .config import HashAttentionConfig
 from .padding import first_visible_key
 
 ATTENTION_NAME = "hashattention"
@@ -110,18 +111,22 @@ def selection_bounds(
     ``start_layer`` is the signature cache layer of the model's first sparse layer (or None). When
     it is this call's own ``cache_layer``, all three are computed and stored there; later layers
     load them (see :class:`hashattention.cache.SharedSelectionBounds`): every layer of a forward
-    has appended the same tokens by its attention. Without a mask (no padding) there is nothing
-    to reduce and each layer computes its own. ``last_layer``: this is the model's last sparse
-    layer, after which the forward no longer needs the stored bounds.
+    has appended the same tokens by its attention. Without a mask (no padding) each layer computes
+    its own, except under torch.compile, where one op call serves every layer either way.
+    ``last_layer``: this is the model's last sparse layer, after which the forward no longer needs
+    the stored bounds.
     """
+    # Eagerly the stored bounds are matched to their forward by its mask object, so without a mask
+    # each layer computes its own; a compiled forward always shares them (they are its own tensors).
+    shared = start_layer is not None and (attention_mask is not None or is_torchdynamo_compiling())
     bounds = None
-    if attention_mask is not None and start_layer is not None and start_layer is not cache_layer:
+    if shared and start_layer is not cache_layer:
         bounds = start_layer.selection_bounds.load(attention_mask, batch_size)
         if bounds is not None:
             bounds = tuple(t.to(device) for t in bounds)
     if bounds is None:
         bounds = compute_selection_bounds(config, attention_mask, valid_lengths(), batch_size)
-        if attention_mask is not None and start_layer is not None and start_layer is cache_layer:
+        if shared and start_layer is cache_layer:
             start_layer.selection_bounds.store(*bounds, attention_mask)
     if last_layer and start_layer is not None:
         start_layer.selection_bounds.release()

@@ -162,3 +162,29 @@ def test_first_visible_key_rejects_bad_input():
         torch.ops.hashattention.first_visible_key(torch.ones(2, 5))
     with pytest.raises(ValueError, match="visible must be a 2-D bool tensor"):
         torch.ops.hashattention.first_visible_key(torch.ones(2, 1, 5, dtype=torch.bool))
+
+
+def test_compiled_layers_share_the_bounds_without_a_mask():
+    """Without a mask (no padding) eager layers each compute their bounds, but a compiled forward still
+    computes them once: one op call whose outputs every layer reads, equal to the eager values."""
+    import types
+
+    from torch._inductor.utils import run_and_get_code
+
+    config = HashAttentionConfig(sink_tokens=2, local_tokens=4, sparsity=4.0)
+    layers = [types.SimpleNamespace(selection_bounds=SharedSelectionBounds()) for _ in range(3)]
+
+    def three_layers(lengths):
+        return [torch.stack(attention_module.selection_bounds(
+            config, None, lambda: lengths + 0, 2, lengths.device, layer, layers[0], last_layer=index == 2))
+            for index, layer in enumerate(layers)]
+
+    lengths = torch.tensor([37, 120], dtype=torch.int32)
+    eager = three_layers(lengths)
+    torch._dynamo.reset()
+    compiled, code = run_and_get_code(torch.compile(three_layers, fullgraph=True), lengths)
+    assert "\n".join(code).count("hashattention.selection_bounds.default(") == 1
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+    assert eager[0].tolist() == [[37, 120], [0, 0], [9 - 6, 30 - 6]]
+    assert layers[0].selection_bounds.traced is None
