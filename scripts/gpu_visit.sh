@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -76,5 +76,17 @@ if want generate; then
   el "end-to-end generate benchmark"
   timeout ${GENERATE_SECONDS:-300} python3 scripts/bench_generate.py --out "$OUT" ${GENERATE_ARGS:-} \
     > "$OUT/generate.log" 2>&1; echo "generate rc=$?"; tail -${GENERATE_TAIL:-30} "$OUT/generate.log"
+fi
+if [[ " $STEPS " == *" states "* ]]; then  # not part of "all"
+  # B = 4 per head is bimodal across processes (benchmarks/results/bench_generate_20261203_s20.md): the same
+  # method twice, each in its own process, the first compiling cold and the second from the warm cache,
+  # both traced (timeline summaries in each JSON; python scripts/timeline_gaps.py on the traces).
+  el "one method, two processes (cold then warm compile cache), traced"
+  for state in cold warm; do
+    timeout ${STATES_SECONDS:-200} python3 scripts/bench_generate.py --contexts 131072 --batches ${STATES_BATCH:-4} \
+      --methods ${STATES_METHOD:-hash-query_head-32} --no-attention-share --fresh --profile-steps 12 \
+      --out "$OUT/states/$state" --trace-dir "$OUT/states/$state" > "$OUT/states_$state.log" 2>&1
+    echo "$state rc=$?"; grep -E "first call|ms/step|CUDA-graph replays" "$OUT/states_$state.log"
+  done
 fi
 el done
