@@ -87,12 +87,20 @@ def start_positions_from_mask(attention_mask: Optional[Tensor], batch_size: int,
     padding the last row (a real token) sees ``[start, position]``. A row with no True gives 0.
     The reduction is an op (:mod:`hashattention.padding` says why).
     """
-    if attention_mask is None:
+    visible = last_row_visibility(attention_mask)
+    if visible is None:
         return torch.zeros(batch_size, dtype=torch.int32, device=device)
+    return first_visible_key(visible).expand(batch_size).contiguous()
+
+
+def last_row_visibility(attention_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """Bool ``(B or 1, N)``: the keys the last query row of SDPA's boolean ``(B or 1, 1, L, N)`` mask
+    may see (None without a mask)."""
+    if attention_mask is None:
+        return None
     if attention_mask.dtype != torch.bool:
         raise ValueError(f"hashattention expects a boolean attention mask, got {attention_mask.dtype}")
-    first = first_visible_key(attention_mask[:, 0, -1, :])
-    return first.expand(batch_size).contiguous()
+    return attention_mask[:, 0, -1, :]
 
 
 def selection_bounds(
@@ -139,11 +147,9 @@ def compute_selection_bounds(
     """int32 ``(B,)`` lengths, left-padding offsets and budgets from ``lengths`` (integer ``(B,)``) and
     SDPA's boolean ``(B or 1, 1, L, N)`` mask (or None), in one op call (:mod:`hashattention.bounds`
     says why it is an op)."""
-    visible = None
-    if attention_mask is not None:
-        if attention_mask.dtype != torch.bool:
-            raise ValueError(f"hashattention expects a boolean attention mask, got {attention_mask.dtype}")
-        visible = attention_mask[:, 0, -1, :].expand(batch_size, -1)
+    visible = last_row_visibility(attention_mask)
+    if visible is not None:
+        visible = visible.expand(batch_size, -1)
     return torch.ops.hashattention.selection_bounds(
         lengths, visible, config.sparsity, config.budget_tokens, config.window_tokens, config.dense_below_tokens
     )

@@ -854,13 +854,17 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def comparable_key(row: dict) -> tuple:
+    """Rows with the same key ran the same cell setup, so their tokens/s and tokens compare."""
+    return row["B"], row["n"], row.get("fill"), row.get("steps")
+
+
 def link_to_later_dense(rows: List[dict], dense: dict) -> None:
     """Give the rows of ``dense``'s cell that ran before it (an earlier process of the day, one method per
     process) their ratio and token agreement with it, as a dense row run first would have."""
-    same_cell = ("B", "n", "fill", "steps")
     for r in rows:
         if (r is dense or r["status"] != "ok" or r["method"] == "dense" or r.get("ratio_to_dense") is not None
-                or any(r.get(k) != dense.get(k) for k in same_cell)):
+                or comparable_key(r) != comparable_key(dense)):
             continue
         r["ratio_to_dense"] = r["tokens_per_s"] / dense["tokens_per_s"]
         r["first_divergence_from_dense"] = first_divergence(r["generated_tokens"], dense["generated_tokens"])
@@ -1135,8 +1139,7 @@ class Benchmark:
     def dense_from_earlier_run(self, cell: Cell, row: dict) -> None:
         """Without dense in this run, compare with a dense row of an earlier run of the day on the same cell setup."""
         earlier = next((r for r in self.record["rows"] if r["status"] == "ok" and r["method"] == "dense"
-                        and (r["B"], r["n"], r["fill"], r["steps"]) == (cell.batch, cell.n, row["fill"], row["steps"])),
-                       None)
+                        and comparable_key(r) == comparable_key(row)), None)
         if earlier is not None:
             cell.dense_tokens_per_s, cell.dense_tokens = earlier["tokens_per_s"], earlier["generated_tokens"]
             row["dense_from_earlier_run"] = True

@@ -372,7 +372,7 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
 // entries and, in the boundary chunk, 16 bits of ties at T per step), the lanes' counts of all
 // steps are scanned together (three steps per 32-bit word, a 10-bit field each: a step's count over
 // the warp is at most 512), and the writes come from the registers. The general path
-// (count_warp_entries + write_warp_entries) reads the bytes twice, recomputes the flags and scans
+// (the kernel's counting loop + write_warp_entries) reads the bytes twice, recomputes the flags and scans
 // once per step; phase 2 runs with DRAM idle and is bound by its instruction count (H200, B = 4 /
 // 128K / 32x per query head: counts 2.0 + writes 7.7 us of the 33.7, probe_selection_20261203.md).
 constexpr int kMaxRegisterSteps = 8;
