@@ -78,9 +78,10 @@ if want generate; then
     > "$OUT/generate.log" 2>&1; echo "generate rc=$?"; tail -${GENERATE_TAIL:-30} "$OUT/generate.log"
 fi
 if [[ " $STEPS " == *" states "* ]]; then  # not part of "all"
-  # B = 4 per head is bimodal across processes (benchmarks/results/bench_generate_20261203_s20.md): the same
-  # method twice, each in its own process, the first compiling cold and the second from the warm cache,
-  # both traced (timeline summaries in each JSON; python scripts/timeline_gaps.py on the traces).
+  # B = 4 per head is bimodal across processes (benchmarks/results/bench_generate_20261203_s21_states.md:
+  # the same kernels, less GPU idle time between graph nodes when the warm-cached compile is the process's
+  # first GPU work): the same method twice, each in its own process, the first compiling cold and the
+  # second from the warm cache, both traced (python scripts/timeline_gaps.py COLD --compare WARM).
   el "one method, two processes (cold then warm compile cache), traced"
   for state in cold warm; do
     timeout ${STATES_SECONDS:-200} python3 scripts/bench_generate.py --contexts 131072 --batches ${STATES_BATCH:-4} \

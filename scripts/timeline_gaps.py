@@ -10,6 +10,7 @@ host (a full launch queue shows up as a long ``cudaGraphLaunch``/``cudaLaunchKer
 span, kernel time, idle time inside it and before it).
 
     python scripts/timeline_gaps.py trace.json.gz --steps 16     # a trace written by export_chrome_trace
+    python scripts/timeline_gaps.py A.json.gz --compare B.json.gz  # two runs of one graph, node by node
 
 ``bench_generate.py --trace-dir DIR`` writes one trace per method and stores this summary in its JSON.
 Timestamps: Kineto puts GPU activity on the host's clock, so host/GPU comparisons are good to about
@@ -123,10 +124,9 @@ def _median(values: List[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def graph_replays(gpu: List[dict], host: List[dict]) -> Dict[str, object]:
-    """CUDA-graph replays (``cudaGraphLaunch``; their kernels carry its correlation id): how many, and the
-    medians of kernels per replay, span (first kernel start to last end), kernel time, idle time inside
-    the span, and the idle time before each replay's first kernel since the previous replay's last one."""
+def replay_members(gpu: List[dict], host: List[dict]) -> List[List[dict]]:
+    """The GPU events of each CUDA-graph replay (``cudaGraphLaunch``; its kernels carry the launch's
+    correlation id), in launch order, each replay's events in time order; replays without any left out."""
     launches = sorted((e for e in host if e["name"] == "cudaGraphLaunch"), key=lambda e: e["ts"])
     members: Dict[object, List[dict]] = {e["args"].get("correlation"): [] for e in launches
                                           if isinstance(e.get("args"), dict)}
@@ -134,8 +134,15 @@ def graph_replays(gpu: List[dict], host: List[dict]) -> Dict[str, object]:
         correlation = (e.get("args") or {}).get("correlation")
         if correlation in members:
             members[correlation].append(e)
+    return [sorted(kernels, key=lambda e: e["ts"]) for kernels in members.values() if kernels]
+
+
+def graph_replays(gpu: List[dict], host: List[dict]) -> Dict[str, object]:
+    """CUDA-graph replays: how many, and the medians of kernels per replay, span (first kernel start to
+    last end), kernel time, idle time inside the span, and the idle time before each replay's first
+    kernel since the previous replay's last one."""
     replays = []
-    for kernels in members.values():
+    for kernels in replay_members(gpu, host):
         if kernels:
             start, end = min(k["ts"] for k in kernels), max(k["ts"] + k["dur"] for k in kernels)
             replays.append((start, end, len(kernels), sum(k["dur"] for k in kernels)))
@@ -151,6 +158,52 @@ def graph_replays(gpu: List[dict], host: List[dict]) -> Dict[str, object]:
         "idle_inside_us": _median([r[1] - r[0] - r[3] for r in replays]),
         "idle_before_us": _median(before) if before else None,
     }
+
+
+def replay_transitions(events: List[dict]) -> Dict[str, object]:
+    """The gaps between consecutive kernels inside CUDA-graph replays, grouped by (kernel, next kernel).
+
+    Returns ``{"replays": R, "transitions": {(after, before): [gap_us, ...]}}``. A negative gap means
+    the next kernel started before the previous one ended (a programmatic launch). Inside a replay the
+    host has issued everything, so these gaps are the GPU's own launch latency between graph nodes.
+    """
+    replays = replay_members(_complete(events, GPU_CATEGORIES), _complete(events, HOST_CATEGORIES))
+    transitions: Dict[tuple, List[float]] = {}
+    for kernels in replays:
+        for a, b in zip(kernels, kernels[1:]):
+            key = (short_name(a["name"]), short_name(b["name"]))
+            transitions.setdefault(key, []).append(b["ts"] - (a["ts"] + a["dur"]))
+    return {"replays": len(replays), "transitions": transitions}
+
+
+def compare_transitions(first: List[dict], second: List[dict], top: int = 20) -> List[Dict[str, object]]:
+    """Per (kernel, next kernel) transition found in the replays of both traces: how often it occurs per
+    replay and its median gap in each, ordered by the difference in idle time per replay (first minus
+    second), largest first. Tells whether two runs of the same graph differ in a few places or
+    uniformly at every node."""
+    a, b = replay_transitions(first), replay_transitions(second)
+    if not a["replays"] or not b["replays"]:
+        raise ValueError("compare_transitions: both traces need CUDA-graph replays "
+                         f"(found {a['replays']} and {b['replays']})")
+    rows = []
+    for key, gaps in a["transitions"].items():
+        other = b["transitions"].get(key)
+        if not other:
+            continue
+        rows.append({"after": key[0], "before": key[1], "per_replay": len(gaps) / a["replays"],
+                     "median_us": [_median(gaps), _median(other)],
+                     "idle_diff_us_per_replay": sum(gaps) / a["replays"] - sum(other) / b["replays"]})
+    rows.sort(key=lambda r: -r["idle_diff_us_per_replay"])
+    return rows[:top]
+
+
+def render_comparison(rows: List[Dict[str, object]]) -> str:
+    lines = ["transition gaps inside replays (idle us per replay first - second, per replay, median us first / "
+             "second | after -> before):"]
+    for r in rows:
+        lines.append(f"  {r['idle_diff_us_per_replay']:8.1f} {r['per_replay']:6.1f} {r['median_us'][0]:7.2f} / "
+                     f"{r['median_us'][1]:7.2f} | {r['after']} -> {r['before']}")
+    return "\n".join(lines)
 
 
 def render(summary: Dict[str, object]) -> str:
@@ -183,7 +236,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=1, help="decode steps in the trace (values are per step)")
     parser.add_argument("--floor-us", type=float, default=1.0, help="smallest gap attributed to a source")
     parser.add_argument("--top", type=int, default=12, help="rows per table")
+    parser.add_argument("--compare", metavar="TRACE", default=None,
+                        help="a second trace of the same graph: compare the gaps between graph nodes instead")
     args = parser.parse_args(argv)
+    if args.compare:
+        print(render_comparison(compare_transitions(load_events(args.trace), load_events(args.compare), args.top)))
+        return
     print(render(summarize(load_events(args.trace), args.steps, args.floor_us, args.top)))
 
 

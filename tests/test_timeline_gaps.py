@@ -106,3 +106,37 @@ def test_graph_replays():
     assert replays["replays"] == 3 and replays["kernels"] == 2 and replays["kernel_us"] == 90
     assert replays["span_us"] == 92 and replays["idle_inside_us"] == 2  # medians of 93/91/92 and 3/1/2
     assert replays["idle_before_us"] == pytest.approx((200 - 193 + 300 - 291) / 2)  # median of two: 7 and 9
+
+
+def replays_of(gaps_by_replay, correlation0=10):
+    """Graph replays of kernels x, y, z with the given (x -> y, y -> z) gaps in µs."""
+    events = []
+    for i, (gap_xy, gap_yz) in enumerate(gaps_by_replay):
+        start, c = 100 * (i + 1), correlation0 + i
+        events += [runtime("cudaGraphLaunch", start - 50, 5, c), kernel("x", start, 10, c),
+                   kernel("y", start + 10 + gap_xy, 20, c), kernel("z", start + 30 + gap_xy + gap_yz, 5, c)]
+    events.append(kernel("eager", 5000, 2, 99))  # outside any replay: no transition
+    return events
+
+
+def test_replay_transitions_and_their_comparison(tmp_path):
+    """Gaps between graph nodes per (kernel, next kernel), negative where the next started early, and
+    the comparison of two traces ordered by the idle time per replay they differ by."""
+    first = replays_of([(1.0, 0.5), (3.0, 0.5), (2.0, 0.5)])
+    second = replays_of([(0.5, -0.25), (0.5, -0.25)])
+    t = timeline_gaps.replay_transitions(first)
+    assert t["replays"] == 3 and t["transitions"] == {("x", "y"): [1.0, 3.0, 2.0], ("y", "z"): [0.5, 0.5, 0.5]}
+    rows = timeline_gaps.compare_transitions(first, second)
+    assert [(r["after"], r["before"]) for r in rows] == [("x", "y"), ("y", "z")]
+    assert rows[0]["median_us"] == [2.0, 0.5] and rows[0]["idle_diff_us_per_replay"] == pytest.approx(1.5)
+    assert rows[1]["median_us"] == [0.5, -0.25] and rows[1]["idle_diff_us_per_replay"] == pytest.approx(0.75)
+    assert rows[0]["per_replay"] == 1
+    with pytest.raises(ValueError, match="both traces need CUDA-graph replays"):
+        timeline_gaps.compare_transitions(first, [kernel("eager", 0, 1, 1)])
+    paths = []
+    for name, events in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps({"traceEvents": events}))
+        paths.append(str(tmp_path / name))
+    done = subprocess.run([sys.executable, SCRIPT, paths[0], "--compare", paths[1]], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "1.5    1.0    2.00 /    0.50 | x -> y" in done.stdout
