@@ -825,6 +825,10 @@ def markdown(record: dict) -> str:
             notes.append(f"backend {r['dense_backend']}")
         if r.get("first_divergence_from_dense") is not None:
             notes.append(f"tokens = dense for {r['first_divergence_from_dense']} steps")
+        if "ran_before_in_process" in r:
+            before = len(r["ran_before_in_process"])
+            notes.append("first GPU work of its process" if not before else
+                         f"{before} GPU job{'s' if before > 1 else ''} before it in its process")
         lines.append(
             f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
             f"{fmt(r.get('ratio_to_dense'), '.2f')}{'x' if r.get('ratio_to_dense') else ''} | "
@@ -841,14 +845,16 @@ def markdown(record: dict) -> str:
     profiled = [r for r in rows if r["status"] == "ok" and "category_us_per_step" in r.get("profile", {})]
     if profiled:
         lines += ["", "## Profile of extra decode steps (torch.profiler; kernel µs per step)", "",
-                  "| B | n | method | all kernels | attention | selection | encode | gemm | other | host syncs per step |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| B | n | method | all kernels | attention | selection | encode | gemm | other | host syncs per step "
+                  "| kernels per graph replay | idle µs inside a replay |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in profiled:
             p, c = r["profile"], r["profile"]["category_us_per_step"]
+            replays = (p.get("timeline") or {}).get("graph_replays") or {}  # with --trace-dir
             syncs = ", ".join(f"{k} {v:g}" for k, v in p["host_sync_calls_per_step"].items()) or "none"
             lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {p['kernel_us_per_step']:.0f} | "
                          + " | ".join(f"{c.get(k, 0.0):.0f}" for k in ("attention", "selection", "encode", "gemm", "other"))
-                         + f" | {syncs} |")
+                         + f" | {syncs} | {fmt(replays.get('kernels'), 'g')} | {fmt(replays.get('idle_inside_us'), '.0f')} |")
     lines += ["", "## Targets (issue 7)", ""]
     lines += [target_line(record, *t) for t in TARGETS]
     return "\n".join(lines)
@@ -949,6 +955,10 @@ class Benchmark:
         # What this random model's k_proj gives for RMS-normalised inputs: std 0.02 * sqrt(hidden).
         self.key_std = c.initializer_range * math.sqrt(c.hidden_size)
         self.order = {m.name: i for i, m in enumerate(args.method_specs)}
+        # GPU work this process did before each method (dense backend checks, earlier methods): a B = 4 step
+        # was measured ~0.3 ms faster where a warm-cached compile was a process's first GPU work
+        # (bench_generate_20261203_s21_states.md), so every row says what ran before it.
+        self.ran_before: List[str] = []
         self.method_seconds: List[float] = []
         self.fill_rate = 0.0  # seconds per (token x sequence) of fill + encode + check, from the previous cell
 
@@ -974,7 +984,7 @@ class Benchmark:
     def base_row(self, batch: int, n: int, method: Method) -> dict:
         a = self.args
         return {"B": batch, "n": n, "method": method.name, "order": self.order[method.name], "fill": a.fill,
-                "compile": a.compile, "steps": a.steps}
+                "compile": a.compile, "steps": a.steps, "ran_before_in_process": list(self.ran_before)}
 
     def skip_cell(self, batch: int, n: int, reason: str) -> None:
         print(f"[B={batch} n={n}] skipped: {reason}", flush=True)
@@ -1071,6 +1081,7 @@ class Benchmark:
             time_it = not args.no_attention_share or len(candidates) > 1
             cell.dense_checks = check_dense_backends(cell.base, self.config, cell.n, device, dtype, candidates,
                                                      time_it=time_it)
+            self.ran_before.append(f"dense checks B={cell.batch} n={human_n(cell.n)}")
             passing = sorted((c for c in cell.dense_checks if c["ok"]), key=lambda c: c.get("attention_s_per_step", 0))
             cell.dense_order = [c["backend"] for c in passing]
             self.save(check={"B": cell.batch, "n": cell.n, "checks": cell.dense_checks})
@@ -1128,6 +1139,7 @@ class Benchmark:
             self.model.set_attn_implementation(DENSE_ATTENTION_NAME)
             self.method_seconds.append(time.monotonic() - start)
             row["method_wall_s"] = self.method_seconds[-1]
+            self.ran_before.append(f"{method.name} B={cell.batch} n={human_n(cell.n)}")
             self.save(row=row)
             release(self.device)
 

@@ -71,8 +71,16 @@ def test_cli_end_to_end_tiny_model(tmp_path):
     assert set(fills) == {(1, 96), (2, 96)}
     assert all(f["encode_s"]["query"] > 0 and f["encode_s"]["kv"] > 0 for f in fills.values())
     assert record["runs"][0]["command"].startswith("python scripts/bench_generate.py --tiny")
+    # What ran in the process before each row: the cell's dense backend checks first, then the methods in order.
+    assert rows[(1, 96, "dense")]["ran_before_in_process"] == ["dense checks B=1 n=96"]
+    assert rows[(1, 96, "hash-kv_group-full")]["ran_before_in_process"] == [
+        "dense checks B=1 n=96", "dense B=1 n=96", "hash-query_head-full B=1 n=96"]
+    assert rows[(2, 96, "dense")]["ran_before_in_process"][-2:] == ["hash-query_head-32 B=1 n=96", "dense checks B=2 n=96"]
+    assert len(rows[(2, 96, "hash-query_head-32")]["ran_before_in_process"]) == 9
     text = open(md_path).read()
     assert "| 2 | 96 | hash-query_head-32 |" in text and "## Targets (issue 7)" in text
+    assert "1 GPU job before it in its process" in text and "9 GPU jobs before it in its process" in text
+    assert "| idle µs inside a replay |" in text  # no CUDA graphs on the CPU: "-" in that column
     assert "**not measured**" in text  # the 128K targets are not part of this grid
 
 
