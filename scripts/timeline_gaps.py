@@ -143,9 +143,8 @@ def graph_replays(gpu: List[dict], host: List[dict]) -> Dict[str, object]:
     kernel since the previous replay's last one."""
     replays = []
     for kernels in replay_members(gpu, host):
-        if kernels:
-            start, end = min(k["ts"] for k in kernels), max(k["ts"] + k["dur"] for k in kernels)
-            replays.append((start, end, len(kernels), sum(k["dur"] for k in kernels)))
+        start, end = min(k["ts"] for k in kernels), max(k["ts"] + k["dur"] for k in kernels)
+        replays.append((start, end, len(kernels), sum(k["dur"] for k in kernels)))
     replays.sort()
     if not replays:
         return {"replays": 0}
