@@ -280,6 +280,17 @@ AttentionDims check_attention_args(const at::Tensor& query, const at::Tensor& ke
   return AttentionDims{batch, hq, hkv, hs, rows, d, indices.size(3), paged, keys, page_size};
 }
 
+void check_attention_workspace(const std::optional<at::Tensor>& workspace, const at::Tensor& query,
+                               const AttentionDims& dims) {
+  if (!workspace.has_value()) return;
+  check_int32(*workspace, "workspace");
+  check_same_device(*workspace, query, "workspace", "query");
+  TORCH_CHECK_VALUE(workspace->is_contiguous(), "workspace must be contiguous");
+  const int64_t needed = dims.batch * dims.query_heads * dims.rows;
+  TORCH_CHECK_VALUE(workspace->numel() >= needed, "workspace must have at least batch * query_heads * rows = ",
+                    as_text(needed), " elements, got ", as_text(workspace->numel()));
+}
+
 void check_attention_values(const AttentionDims& dims, const at::Tensor& key_cache,
                             const at::Tensor& indices, const std::optional<at::Tensor>& counts,
                             const std::optional<at::Tensor>& block_table) {

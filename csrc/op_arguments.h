@@ -97,6 +97,10 @@ AttentionDims check_attention_args(const at::Tensor& query, const at::Tensor& ke
                                    const at::Tensor& value_cache, const at::Tensor& indices,
                                    const std::optional<at::Tensor>& counts,
                                    const std::optional<at::Tensor>& block_table);
+// sparse_attention's optional workspace: int32, contiguous, on the query's device, at least
+// batch * query_heads * rows elements.
+void check_attention_workspace(const std::optional<at::Tensor>& workspace, const at::Tensor& query,
+                               const AttentionDims& dims);
 // CPU only: every used index in [0, keys) and every used block-table entry in [0, pages).
 void check_attention_values(const AttentionDims& dims, const at::Tensor& key_cache,
                             const at::Tensor& indices, const std::optional<at::Tensor>& counts,

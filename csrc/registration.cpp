@@ -62,8 +62,10 @@ TORCH_LIBRARY(hashattention, m) {
       "topk_from_scores(Tensor scores, Tensor? lengths, Tensor? start_positions, Tensor? budgets, "
       "int sink_tokens, int local_tokens, int budget_tokens) -> (Tensor indices, Tensor counts)");
   // Exact softmax attention over the KV rows named by `indices` (page size 1 semantics).
-  // Returns (out (B, Hq, L, D) in the query dtype, lse float32 (B, Hq, L)).
+  // Returns (out (B, Hq, L, D) in the query dtype, lse float32 (B, Hq, L)). workspace: int32, at
+  // least B * Hq * L elements, contiguous, all zero on entry and left all zero (the CUDA kernel's
+  // split counters, which it then need not clear first); calls sharing one must not overlap.
   m.def(
       "sparse_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor indices, "
-      "Tensor? counts, Tensor? block_table, float scale) -> (Tensor out, Tensor lse)");
+      "Tensor? counts, Tensor? block_table, float scale, Tensor(a!)? workspace=None) -> (Tensor out, Tensor lse)");
 }

@@ -82,8 +82,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query,
                                                         const at::Tensor& value_cache, const at::Tensor& indices,
                                                         const std::optional<at::Tensor>& counts,
                                                         const std::optional<at::Tensor>& block_table,
-                                                        double scale) {
+                                                        double scale, const std::optional<at::Tensor>& workspace) {
   const AttentionDims dims = check_attention_args(query, key_cache, value_cache, indices, counts, block_table);
+  check_attention_workspace(workspace, query, dims);  // checked as on CUDA; this kernel needs none
   check_attention_values(dims, key_cache, indices, counts, block_table);
 
   at::Tensor out = new_output({dims.batch, dims.query_heads, dims.rows, dims.head_dim}, query.options());

@@ -173,6 +173,7 @@ def select_and_attend(
     scaling: float,
     budgets: Optional[Tensor] = None,
     query_signatures: Optional[Tensor] = None,
+    workspace: Optional[Tensor] = None,
 ) -> Tensor:
     """Sparse attention of query rows that end at each sequence's ``lengths``.
 
@@ -186,6 +187,8 @@ def select_and_attend(
             valid keys.
         query_signatures: int32 ``(B, Hq, P, W)`` when already encoded (with the new keys, in
             one call); None: encoded here.
+        workspace: zeroed int32 counters for :func:`hashattention.ops.sparse_attention` (a static
+            cache layer's), or None.
 
     Returns:
         ``(B, Hq, P, D)`` in the query dtype.
@@ -206,7 +209,7 @@ def select_and_attend(
         start_positions=start_positions,
         budgets=budgets,
     )
-    out, _ = ops.sparse_attention(query, key, value, indices, counts, scale=scaling)
+    out, _ = ops.sparse_attention(query, key, value, indices, counts, scale=scaling, workspace=workspace)
     return out
 
 
@@ -253,9 +256,11 @@ def hashattention_attention_forward(
         last_layer=runtime.last_sparse_layer,
     )
 
+    workspace_of = getattr(cache_layer, "attention_workspace", None)  # static cache layers only
+    workspace = workspace_of(batch, query.shape[1], sparse_rows) if workspace_of is not None else None
     sparse_out = select_and_attend(
         runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling, budgets,
-        query_signatures=query_signatures,
+        query_signatures=query_signatures, workspace=workspace,
     ).transpose(1, 2)
     if sparse_rows == rows:
         return sparse_out.contiguous(), None

@@ -195,6 +195,30 @@ class SignatureDynamicLayer(DynamicLayer):
         """Nothing to do: this layer encodes keys in :meth:`update` (see :class:`SignatureStaticLayer`)."""
 
 
+#: Query rows per attention call that a static layer's attention workspace covers: a decode step's
+#: one row, and up to HashAttentionConfig.sparse_prompt_tokens (default 128) rows of a prompt chunk.
+ATTENTION_WORKSPACE_ROWS = 128
+
+
+def needs_attention_workspace(device) -> bool:
+    """Whether sparse_attention on ``device`` uses a workspace (the CUDA kernel's split counters)."""
+    return torch.device(device).type == "cuda"
+
+
+def attention_workspace_buffer(batch_size: int, query_heads: int, device) -> Optional[Tensor]:
+    """Zeroed int32 split counters for :func:`hashattention.ops.sparse_attention` on CUDA (None elsewhere).
+
+    With them the CUDA attention skips a memset per call and starts while the selection before it
+    finishes; each call leaves them zero. A fixed address, like the K/V buffers, for CUDA graphs.
+    """
+    if not needs_attention_workspace(device):
+        return None
+    buffer = torch.zeros(batch_size * query_heads * ATTENTION_WORKSPACE_ROWS, dtype=torch.int32, device=device)
+    if not is_torchdynamo_compiling():
+        torch._dynamo.mark_static_address(buffer)
+    return buffer
+
+
 class SignatureStaticLayer(StaticLayer):
     """A ``StaticLayer`` plus a preallocated ``key_signatures`` buffer ``(B, Hk, S, W)``.
 
@@ -220,6 +244,7 @@ class SignatureStaticLayer(StaticLayer):
         self._pending_keys: Optional[Tensor] = None
         self._pending_positions: Optional[Tensor] = None
         self.selection_bounds = SharedSelectionBounds()
+        self._attention_workspace: Optional[Tensor] = None
 
     @property
     def key_signatures(self) -> Optional[Tensor]:
@@ -241,6 +266,7 @@ class SignatureStaticLayer(StaticLayer):
             self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words, self.device
         )
         self.selection_bounds.allocate(self.batch_size, self.device)
+        self._attention_workspace = attention_workspace_buffer(self.batch_size, config.num_query_heads, self.device)
         # Same reason as the K/V buffers: a fixed address keeps CUDA graphs valid across steps.
         if not is_torchdynamo_compiling():
             torch._dynamo.mark_static_address(self._key_signatures)
@@ -253,6 +279,13 @@ class SignatureStaticLayer(StaticLayer):
         self._pending_positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self._pending_keys = key_states
         return super().update(key_states, value_states)
+
+    def attention_workspace(self, batch: int, query_heads: int, rows: int) -> Optional[Tensor]:
+        """The layer's zeroed sparse-attention counters when they cover ``batch * query_heads * rows``, else None."""
+        workspace = self._attention_workspace
+        if workspace is None or batch * query_heads * rows > workspace.numel():
+            return None
+        return workspace
 
     def query_and_key_signatures(self, query: Tensor) -> Tuple[Tensor, Tensor]:
         """Encode ``query`` and the pending keys in one op call; write the keys' signatures.
@@ -338,6 +371,9 @@ def to_signature_layer(layer, adapter: LayerAdapter):
             # Unwritten rows get meaningless signatures; they lie beyond the valid length and are never read.
             converted.key_signatures = aligned_copy(adapter.key_signatures(layer.keys))
             converted.selection_bounds.allocate(layer.batch_size, layer.device)
+            converted._attention_workspace = attention_workspace_buffer(
+                layer.batch_size, adapter.config.num_query_heads, layer.device
+            )
             if not is_torchdynamo_compiling():
                 torch._dynamo.mark_static_address(converted.key_signatures)
             converted.is_initialized = True

@@ -306,6 +306,7 @@ def sparse_attention(
     *,
     scale: float,
     block_table: Optional[Tensor] = None,
+    workspace: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Exact softmax attention over the KV rows named by ``indices`` (paged attention, page size 1).
 
@@ -323,20 +324,27 @@ def sparse_attention(
             Without it every entry is used and negative entries are skipped.
         scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
         block_table: int32 ``(B, max_pages)`` (vLLM's layout) for the paged cache.
-
-    Returns:
+        workspace: optional int32 tensor, contiguous, on the query's device, with at least
+            ``B * Hq * L`` elements, **all zero** (e.g. ``torch.zeros(B * Hq * L,
+            dtype=torch.int32, device=query.device)``, allocated once and reused; every call
+            leaves it zero again). The CUDA kernel splits long lists over several blocks and
+            merges them through one counter per (batch, head, row); with a workspace it uses
+            these counters instead of zeroing new ones, which saves a memset kernel per call
+            and lets the attention start while the kernel before it (the selection) finishes.
+            Calls that share a workspace must not run at the same time (on other streams).
+            The CPU kernel checks it and needs none.
         ``(out, lse)``: ``(B, Hq, L, D)`` in the query dtype -- softmax over the selected rows
         only, accumulated in float32 -- and the float32 ``(B, Hq, L)`` natural-log
         log-sum-exp of the scaled logits, so results can be merged with other attention.
         A row with no selected positions gets ``out = 0`` and ``lse = -inf``.
     """
     return torch.ops.hashattention.sparse_attention.default(
-        query, key_cache, value_cache, indices, counts, block_table, float(scale)
+        query, key_cache, value_cache, indices, counts, block_table, float(scale), workspace
     )
 
 
 @torch.library.register_fake("hashattention::sparse_attention")
-def _sparse_attention_fake(query, key_cache, value_cache, indices, counts, block_table, scale):
+def _sparse_attention_fake(query, key_cache, value_cache, indices, counts, block_table, scale, workspace=None):
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
     return out, lse

@@ -85,6 +85,12 @@ CASES = [
      "value_cache shape .* must equal key_cache shape"),
     ("indices batch differs", lambda: attention(indices=sig(2, 1, 1, 3)), ValueError, "indices must have shape"),
     ("counts shape", lambda: attention(counts=sig(1, 1, 2)), ValueError, "counts must have shape"),
+    ("int64 attention workspace", lambda: attention(workspace=torch.zeros(4, dtype=torch.int64)), TypeError,
+     "workspace must be Int"),
+    ("attention workspace too small", lambda: attention(workspace=sig(3)), ValueError,
+     r"workspace must have at least batch \* query_heads \* rows = 4 elements, got 3"),
+    ("non-contiguous attention workspace", lambda: attention(workspace=sig(8)[::2]), ValueError,
+     "workspace must be contiguous"),
     ("lengths wrong shape", lambda: topk(sig(2, 4, 1, 1), sig(2, 4, 8, 1), lengths=i32(8)), ValueError,
      r"lengths must have shape \(batch,\) = \(2,\)"),
     ("block table wrong shape", lambda: attention(k=torch.randn(5, 4, 2, 64), block_table=sig(2, 3)), ValueError,
@@ -159,6 +165,9 @@ def test_device_mismatch_is_rejected():
     with pytest.raises(ValueError, match="value_cache is on cpu but query is on cuda"):
         attention(q=torch.randn(1, 4, 1, 64, device="cuda"), k=torch.randn(1, 2, 10, 64, device="cuda"),
                   v=torch.randn(1, 2, 10, 64), indices=i32(0, 1, device="cuda").reshape(1, 1, 1, 2))
+    with pytest.raises(ValueError, match="workspace is on cpu but query is on cuda"):
+        cuda = dict(q=torch.randn(1, 4, 1, 64, device="cuda"), k=torch.randn(1, 2, 10, 64, device="cuda"))
+        attention(**cuda, indices=i32(0, 1, device="cuda").reshape(1, 1, 1, 2), workspace=sig(4))
 
 
 def test_missing_extension_error_says_how_to_build(monkeypatch):

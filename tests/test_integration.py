@@ -108,6 +108,34 @@ def test_compiled_decode_step_does_not_copy_the_signature_cache():
     assert not copies, f"a signature-cache-sized buffer {copies} is allocated per step (cache {signature_shape})"
 
 
+def test_compiled_decode_step_hands_the_attention_workspace_over_in_place(monkeypatch):
+    """A static cache layer keeps zeroed split counters for the CUDA attention (no memset per call);
+    under torch.compile the op must get that buffer itself -- a functionalised copy per step would
+    cost more than the memset it saves -- and it must stay zero. The buffer exists on CUDA only, so
+    it is forced here (the CPU kernel checks it and leaves it alone)."""
+    import hashattention.cache as cache_module
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(cache_module, "needs_attention_workspace", lambda device: True)
+    model = tiny_model("llama", layers=1)
+    adapters = tiny_adapters(model)
+    ids = random_ids(1, PROMPT, seed=7)
+    cache = make_cache("static", model, PROMPT + STEPS + 1)
+    with patch(model, adapters, HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)), torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        workspace = cache.layers[0].attention_workspace(1, model.config.num_attention_heads, 1)
+        assert workspace is not None and workspace.dtype == torch.int32
+        step = torch.compile(model.forward, fullgraph=True)
+        _, code = run_and_get_code(
+            step, ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([PROMPT])
+        )
+    source = "\n".join(code)
+    assert "hashattention.sparse_attention" in source
+    sizes = {int(m) for m in re.findall(r"empty_strided_\w+\(\((\d+), *\)", source)}
+    assert workspace.numel() not in sizes, "the attention workspace is copied before the op"
+    assert not workspace.any()
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 @pytest.mark.parametrize("selection", ["query_head", "kv_group"])
 @pytest.mark.parametrize("key_heads", ["query", "kv"])

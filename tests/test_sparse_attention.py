@@ -201,3 +201,54 @@ def test_bad_timing_aid_values_are_named(monkeypatch, variable, value):
     indices = torch.arange(200, dtype=torch.int32, device="cuda").expand(1, 4, 1, 200).contiguous()
     with pytest.raises(RuntimeError, match=f"{variable} must be an integer"):
         ha.sparse_attention(q, k, k, indices, scale=0.125)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("query_heads,kv_heads,group_shared", [(8, 2, False), (8, 2, True)])
+def test_workspace_counters_are_reused_and_left_zero(monkeypatch, dtype, query_heads, kv_heads, group_shared):
+    """With a caller's zeroed workspace the split counters are not cleared by a memset: each unit's
+    last split resets its counter. Repeated calls (and CUDA-graph replays with new inputs) through
+    one workspace must keep giving the reference, and leave the workspace zero -- a counter left
+    behind would make a later call merge before all its splits are done. The counters' merge is
+    forced (no clusters) with many small splits, on a workspace larger than needed."""
+    monkeypatch.setenv("HASHATTENTION_ATTENTION_CLUSTER", "0")
+    monkeypatch.setenv("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "16")
+    monkeypatch.setenv("HASHATTENTION_ATTENTION_MIN_ROWS", "1")
+    g = generator_for("attn-workspace", dtype, query_heads, kv_heads, group_shared)
+    batch, rows, keys, width, head_dim = 2, 3, 4000, 1200, 128
+    selection_heads = kv_heads if group_shared else query_heads
+    workspace = torch.zeros(batch * query_heads * rows + 5, dtype=torch.int32, device="cuda")
+
+    def inputs():
+        q = torch.randn(batch, query_heads, rows, head_dim, generator=g).to(dtype)
+        k = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+        v = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+        indices, counts = random_index_lists(batch, selection_heads, rows, width, keys, g)
+        return q, k, v, indices, counts
+
+    for call in range(3):
+        q, k, v, indices, counts = inputs()
+        expected = reference.sparse_attention(q, k, v, indices, counts, scale=head_dim**-0.5)
+        got = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), counts.cuda(), scale=head_dim**-0.5,
+                                  workspace=workspace)
+        check_attention(got, expected, dtype, f"eager call {call}")
+        assert not workspace.any(), f"eager call {call} left split counters behind"
+
+    static = [t.cuda() for t in inputs()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ha.sparse_attention(*static, scale=head_dim**-0.5, workspace=workspace)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ha.sparse_attention(*static, scale=head_dim**-0.5, workspace=workspace)
+    for replay in range(3):
+        fresh = inputs()
+        for target, source in zip(static, fresh):
+            target.copy_(source)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_attention(out, reference.sparse_attention(*fresh, scale=head_dim**-0.5), dtype, f"replay {replay}")
+        assert not workspace.any(), f"replay {replay} left split counters behind"

@@ -4,7 +4,8 @@
 //
 // CUDA-graph safety: the workspace (partial states and per-unit counters, only when the splits
 // of a unit are not one thread-block cluster) is sized from the shapes alone, the counters are
-// zeroed by a memset on the stream, and no value is read on the host. The kernel waits for the
+// zeroed by a memset on the stream (or come zeroed in the caller's workspace, which the kernel
+// leaves zeroed), and no value is read on the host. The kernel waits for the
 // grids before it (wait_for_prerequisite_grids) before its first read, so it may be launched
 // programmatically after the selection. Values the CPU kernel would reject are handled on the
 // device instead: counts are clamped to [0, width], and entries outside [0, keys) -- or whose
@@ -111,8 +112,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
                                                          const at::Tensor& value_cache, const at::Tensor& indices,
                                                          const std::optional<at::Tensor>& counts,
                                                          const std::optional<at::Tensor>& block_table,
-                                                         double scale) {
+                                                         double scale, const std::optional<at::Tensor>& workspace) {
   const AttentionDims dims = check_attention_args(query, key_cache, value_cache, indices, counts, block_table);
+  check_attention_workspace(workspace, query, dims);
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor out = new_output({dims.batch, dims.query_heads, dims.rows, dims.head_dim}, query.options());
   at::Tensor lse = new_output({dims.batch, dims.query_heads, dims.rows}, query.options().dtype(at::kFloat));
@@ -234,11 +236,16 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   p.probe_stop = static_cast<int>(timing_aid("HASHATTENTION_ATTENTION_PROBE", 0, 0, 2));
   TORCH_CHECK(units <= std::numeric_limits<int32_t>::max(), "sparse_attention: too many (batch, row, head) units");
 
+  // The counters' merge: a zeroed counter per unit. The caller's workspace is zero already (each
+  // unit's last block resets its counter), so no memset node sits before the kernel and it can be
+  // launched programmatically (B = 4 per query head: ~1 memset and 2 graph-node gaps per layer).
   at::Tensor partial, counters;
+  bool counters_memset = false;
   if (splits > 1 && !cluster_merge) {
     const int64_t states = units * splits * max_heads;
     partial = at::empty({states * (dims.head_dim + 2)}, query.options().dtype(at::kFloat));
-    counters = at::zeros({units}, query.options().dtype(at::kInt));
+    counters_memset = !workspace.has_value();
+    counters = counters_memset ? at::zeros({units}, query.options().dtype(at::kInt)) : *workspace;
     p.partial_acc = partial.data_ptr<float>();
     p.partial_max_sum = p.partial_acc + states * dims.head_dim;
     p.counters = counters.data_ptr<int>();
@@ -256,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   // memset must stay ordered before every block).
   KernelLaunch launch(grid, dim3(kAttentionThreads), 0, stream);
   if (cluster_merge) launch.cluster(dim3(1, static_cast<unsigned>(splits), 1));
-  if (!counters.defined() && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel))) launch.programmatic();
+  if (!counters_memset && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel))) launch.programmatic();
   C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};

@@ -79,7 +79,7 @@ struct AttentionParams {
   int vector_loads;  // 1 when every K/V row start is 16-byte aligned
   float* partial_acc;      // (units, splits, kMaxHeads, D): unnormalised outputs of each split
   float* partial_max_sum;  // (units, splits, kMaxHeads, 2): running max (base 2) and sum
-  int* counters;           // (units,), zero on entry; unused when cluster_merge
+  int* counters;           // (units,), zero on entry and on exit; unused when cluster_merge
   int cluster_merge;       // 1: the splits of a unit are one cluster (grid.y == cluster size == splits)
   int probe_stop;          // timing aid (scripts/probe_attention.py): 1 after the prologue, 2 after the main loop
 };
@@ -544,7 +544,12 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
   // independent 16-byte loads (a serial chain of loads here would dominate the kernel).
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last_block = atomicAdd(&p.counters[unit], 1) == p.splits - 1;
+  if (threadIdx.x == 0) {
+    is_last_block = atomicAdd(&p.counters[unit], 1) == p.splits - 1;
+    // Every split has counted: the last one leaves the counter zero for the next launch (a
+    // caller's workspace is reused without a memset).
+    if (is_last_block) p.counters[unit] = 0;
+  }
   __syncthreads();
   if (!is_last_block) return;
   __threadfence();
