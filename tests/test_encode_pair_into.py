@@ -123,54 +123,6 @@ def test_graph_replay_stores_at_new_positions():
         assert torch.equal(out, want_q) and torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("budget", ["0", "16", "4000", "1000000000"])
-@pytest.mark.parametrize("layout", ["contiguous", "padded", "slot-major"])
-@pytest.mark.parametrize("encoder", ["fma", "mma"])
-def test_signature_prefetch_changes_nothing(monkeypatch, budget, layout, encoder):
-    """The decode encoder also asks L2 for the cache rows the selection reads next
-    (csrc/cuda/signature_prefetch.cuh). It is a hint: at any budget (0: off; 16 bytes and 4,000:
-    a sliver of each granule; 1e9: everything), on every layout, with rows that start off 16-byte
-    boundaries (4,099 slots of one word), with the last slot, a slot past the end or a negative one
-    as the newest position, the results equal the unprefetched ones, and nothing outside the cache
-    is touched (a bulk prefetch past an allocation would fault the next synchronisation)."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA kernels")
-    monkeypatch.setenv("HASHATTENTION_ENCODER", encoder)
-    g = generator_for("pair-into-prefetch", budget, layout, encoder)
-    batch, slots = 3, 4099
-    query = strided(batch, 8, 1, 128, g, torch.bfloat16, "cuda")
-    key = strided(batch, 2, 1, 128, g, torch.bfloat16, "cuda")
-    qw, qb = make_mlp(8, [128, 128, 128, 32], g, torch.bfloat16, "cuda")
-    kw, kb = make_mlp(8, [128, 128, 128, 32], g, torch.bfloat16, "cuda")
-    want_q, want_k = ha.encode_signatures_pair(query, qw, qb, key, kw, kb)
-    for newest in (slots - 1, 1234, slots + 5, -1):
-        cache = cache_buffer(layout, batch, 8, slots, 1, g, "cuda")
-        positions = torch.tensor([newest], device="cuda")
-        expected = cache.clone()
-        if 0 <= newest < slots:
-            expected[:, :, newest] = want_k[:, :, 0]
-        monkeypatch.setenv("HASHATTENTION_SIGNATURE_PREFETCH_BYTES", budget)
-        got_q = ha.encode_signatures_pair_into(query, qw, qb, key, kw, kb, cache, positions)
-        torch.cuda.synchronize()
-        assert torch.equal(got_q, want_q) and torch.equal(cache, expected), f"newest slot {newest}"
-
-
-def test_signature_prefetch_setting_is_checked(monkeypatch):
-    """A malformed prefetch budget is an error that names the variable, not a silent default."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA kernels")
-    g = generator_for("pair-into-prefetch-setting")
-    query = strided(2, 8, 1, 128, g, torch.bfloat16, "cuda")
-    key = strided(2, 2, 1, 128, g, torch.bfloat16, "cuda")
-    qw, qb = make_mlp(8, [128, 128, 32], g, torch.bfloat16, "cuda")
-    kw, kb = make_mlp(8, [128, 128, 32], g, torch.bfloat16, "cuda")
-    cache = torch.zeros(2, 8, 16, 1, dtype=torch.int32, device="cuda")
-    for value in ("lots", "-5"):
-        monkeypatch.setenv("HASHATTENTION_SIGNATURE_PREFETCH_BYTES", value)
-        with pytest.raises(RuntimeError, match="HASHATTENTION_SIGNATURE_PREFETCH_BYTES must be an integer"):
-            ha.encode_signatures_pair_into(query, qw, qb, key, kw, kb, cache, torch.tensor([3], device="cuda"))
-
-
 def bad_args(device="cpu"):
     g = generator_for("pair-into-bad")
     query = strided(2, 4, 1, 64, g, torch.float32, device)

@@ -6,7 +6,6 @@
 #include <cstdint>
 
 #include "programmatic_launch.cuh"
-#include "signature_prefetch.cuh"
 
 namespace hashattention {
 namespace cuda {
@@ -48,18 +47,7 @@ struct FusedMlpParams {
 struct FusedMlpLaunch {
   FusedMlpParams problems[2];
   int64_t first_heads;
-  // encode_signatures_pair_into: the key-signature cache rows the selection reads next, asked of L2
-  // by the blocks' last warp (signature_prefetch.cuh); off otherwise.
-  SignaturePrefetch prefetch;
 };
-
-// The blocks' share of launch.prefetch, issued by the block's last warp of `threads` threads. Call after
-// wait_for_prerequisite_grids.
-__device__ __forceinline__ void prefetch_signatures_for_selection(const FusedMlpLaunch& launch, int threads) {
-  if (launch.prefetch.base == nullptr || static_cast<int>(threadIdx.x) < threads - 32) return;
-  const int64_t block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  prefetch_signature_rows(launch.prefetch, threadIdx.x & 31, block, int64_t(gridDim.x) * gridDim.y);
-}
 
 // The first output word of row (b, h, n), or nullptr when the row's cache slot is out of range.
 __device__ __forceinline__ int32_t* signature_row(const FusedMlpParams& p, int64_t b, int64_t h, int64_t n) {

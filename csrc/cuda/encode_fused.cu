@@ -95,9 +95,7 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
   const FusedMlpParams& p = launch.problems[second ? 1 : 0];
   const int64_t h = second ? int64_t(blockIdx.x) - launch.first_heads : int64_t(blockIdx.x);
   const int64_t row0 = int64_t(blockIdx.y) * kRows;
-  // A surplus block of the smaller problem has no rows; it still issues its share of the prefetch.
-  const bool surplus = row0 >= p.rows;
-  if (surplus && launch.prefetch.base == nullptr) return;
+  if (row0 >= p.rows) return;
   extern __shared__ float4 shared_raw[];  // 16-byte aligned
   __shared__ uint64_t bytes_landed;       // the bulk copies' mbarrier
   // Layout: two activation buffers of kRows * width_stride floats, the partial sums of a split
@@ -113,10 +111,8 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
   const int rows = static_cast<int>(min64(kRows, p.rows - row0));
   // Launched programmatically (launch_kernel), the block may run while the kernel before it
   // finishes: it warms L2 with its weights, then waits for that kernel before any read.
-  if (!surplus) prefetch_weights_to_l2(p, h, static_cast<int>(sizeof(w_t)), kEncodeThreads);
+  prefetch_weights_to_l2(p, h, static_cast<int>(sizeof(w_t)), kEncodeThreads);
   wait_for_prerequisite_grids();
-  prefetch_signatures_for_selection(launch, kEncodeThreads);
-  if (surplus) return;
 
   // When every layer's weights fit in the staging buffer together (the paper's MLP: 72 KB in
   // bf16), they are all requested first, with the biases, so that they arrive while the inputs
@@ -468,7 +464,6 @@ void encode_fused_pair_cuda(const at::Tensor& query, at::TensorList query_weight
   }
   if (problems == 0) return;
   work.first_heads = work.problems[0].heads;
-  if (!is_empty_problem(described[1])) work.prefetch = describe_signature_prefetch(key_out, key_positions);
   launch_fused(work, problems, query.scalar_type(), query_weights[0].scalar_type());
 }
 

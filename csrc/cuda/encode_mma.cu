@@ -150,7 +150,6 @@ __global__ void __launch_bounds__(kMmaThreads) mma_mlp_sign_kernel(MmaLaunch lau
   // Launched programmatically, as the fused kernel is: warm L2 with the weights, then wait.
   prefetch_weights_to_l2(p, h, static_cast<int>(sizeof(__nv_bfloat16)), kMmaThreads);
   wait_for_prerequisite_grids();
-  prefetch_signatures_for_selection(launch.work, kMmaThreads);
 
   // Every thread requests its share of the head's weight rows and biases as 16-byte asynchronous
   // copies into the padded rows (one bulk copy per row instead -- 387 for the paper's MLP, issued by
