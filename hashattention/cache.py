@@ -265,8 +265,7 @@ class SignatureStaticLayer(StaticLayer):
         self._key_signatures = aligned_signature_buffer(
             self.batch_size, config.num_key_signature_heads, self.max_cache_len, config.words, self.device
         )
-        self.selection_bounds.allocate(self.batch_size, self.device)
-        self._attention_workspace = attention_workspace_buffer(self.batch_size, config.num_query_heads, self.device)
+        self.allocate_decode_buffers(self.batch_size, self.device)
         # Same reason as the K/V buffers: a fixed address keeps CUDA graphs valid across steps.
         if not is_torchdynamo_compiling():
             torch._dynamo.mark_static_address(self._key_signatures)
@@ -279,6 +278,13 @@ class SignatureStaticLayer(StaticLayer):
         self._pending_positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self._pending_keys = key_states
         return super().update(key_states, value_states)
+
+    def allocate_decode_buffers(self, batch_size: int, device) -> None:
+        """The layer's small fixed-address buffers besides K/V and signatures: the shared selection
+        bounds and the attention workspace (what ``lazy_initialization`` allocates after them; a
+        caller that builds an initialized layer by hand must call this too)."""
+        self.selection_bounds.allocate(batch_size, device)
+        self._attention_workspace = attention_workspace_buffer(batch_size, self.adapter.config.num_query_heads, device)
 
     def attention_workspace(self, batch: int, query_heads: int, rows: int) -> Optional[Tensor]:
         """The layer's zeroed sparse-attention counters when they cover ``batch * query_heads * rows``, else None."""
@@ -370,10 +376,7 @@ def to_signature_layer(layer, adapter: LayerAdapter):
             converted.cumulative_length = layer.cumulative_length
             # Unwritten rows get meaningless signatures; they lie beyond the valid length and are never read.
             converted.key_signatures = aligned_copy(adapter.key_signatures(layer.keys))
-            converted.selection_bounds.allocate(layer.batch_size, layer.device)
-            converted._attention_workspace = attention_workspace_buffer(
-                layer.batch_size, adapter.config.num_query_heads, layer.device
-            )
+            converted.allocate_decode_buffers(layer.batch_size, layer.device)
             if not is_torchdynamo_compiling():
                 torch._dynamo.mark_static_address(converted.key_signatures)
             converted.is_initialized = True

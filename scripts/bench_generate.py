@@ -539,7 +539,7 @@ def attach_signatures(model, base_cache, adapters, valid: int, device, chunk: in
             source.batch_size, adapters.config.num_key_signature_heads, source.max_cache_len, adapters.config.words,
             device)
         torch._dynamo.mark_static_address(layer.key_signatures)
-        layer.selection_bounds.allocate(source.batch_size, device)  # as lazy_initialization does
+        layer.allocate_decode_buffers(source.batch_size, device)  # as lazy_initialization does
         layer.is_initialized = True
         layers.append(layer)
     with Timer(device) as t:

@@ -108,6 +108,30 @@ def test_compiled_decode_step_does_not_copy_the_signature_cache():
     assert not copies, f"a signature-cache-sized buffer {copies} is allocated per step (cache {signature_shape})"
 
 
+@pytest.mark.parametrize("convert_filled", [False, True])
+def test_static_layers_keep_a_zeroed_attention_workspace(monkeypatch, convert_filled):
+    """Every static signature layer, created empty or converted from a filled StaticLayer, holds
+    zeroed int32 split counters covering B x Hq x 128 query rows, hands them out for calls they
+    cover (None beyond), and they stay zero across decode steps. (Forced here: they exist on CUDA.)"""
+    import hashattention.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "needs_attention_workspace", lambda device: True)
+    model = tiny_model("llama")
+    adapters = tiny_adapters(model)
+    heads, batch = model.config.num_attention_heads, 2
+    ids = random_ids(batch, PROMPT, seed=8)
+    cache = make_cache("static", model, PROMPT + STEPS + 1)
+    if convert_filled:
+        model(ids, past_key_values=cache, use_cache=True)
+    with patch(model, adapters, HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)):
+        stepwise_logits(model, ids if not convert_filled else ids[:, -1:], cache, steps=2)
+    for layer in cache.layers:
+        workspace = layer.attention_workspace(batch, heads, 1)
+        assert workspace is not None and workspace.dtype == torch.int32
+        assert workspace.numel() == batch * heads * cache_module.ATTENTION_WORKSPACE_ROWS and not workspace.any()
+        assert layer.attention_workspace(batch, heads, cache_module.ATTENTION_WORKSPACE_ROWS + 1) is None
+
+
 def test_compiled_decode_step_hands_the_attention_workspace_over_in_place(monkeypatch):
     """A static cache layer keeps zeroed split counters for the CUDA attention (no memset per call);
     under torch.compile the op must get that buffer itself -- a functionalised copy per step would
