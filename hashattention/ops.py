@@ -333,6 +333,8 @@ def sparse_attention(
             and lets the attention start while the kernel before it (the selection) finishes.
             Calls that share a workspace must not run at the same time (on other streams).
             The CPU kernel checks it and needs none.
+
+    Returns:
         ``(out, lse)``: ``(B, Hq, L, D)`` in the query dtype -- softmax over the selected rows
         only, accumulated in float32 -- and the float32 ``(B, Hq, L)`` natural-log
         log-sum-exp of the scaled logits, so results can be merged with other attention.
