@@ -5,7 +5,7 @@ import torch
 
 import hashattention as ha
 from hashattention import reference
-from conftest import ATTENTION_TOLERANCE, assert_close_verbose, generator_for
+from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -236,14 +236,7 @@ def test_workspace_counters_are_reused_and_left_zero(monkeypatch, dtype, query_h
         assert not workspace.any(), f"eager call {call} left split counters behind"
 
     static = [t.cuda() for t in inputs()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ha.sparse_attention(*static, scale=head_dim**-0.5, workspace=workspace)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ha.sparse_attention(*static, scale=head_dim**-0.5, workspace=workspace)
+    graph, out = capture_cuda_graph(lambda: ha.sparse_attention(*static, scale=head_dim**-0.5, workspace=workspace))
     for replay in range(3):
         fresh = inputs()
         for target, source in zip(static, fresh):
