@@ -3,7 +3,7 @@
 The returned query signatures and the cache rows it writes must equal encode_signatures_pair's two
 outputs bit for bit (which test_encode_pair checks against the float64 reference), every other
 cache row must keep its old value, on every cache layout and on each CUDA kernel (fused float32,
-tensor cores, cuBLAS + row store).
+tensor cores, clusters of 2 or 4 blocks per head, cuBLAS + row store).
 """
 
 import pytest
@@ -52,10 +52,11 @@ def test_into_matches_the_pair(device, dtype, shape, layout):
     check_into(query, qw, qb, key, kw, kb, layout, g)
 
 
-@pytest.mark.parametrize("encoder", ["fma", "mma"])
+@pytest.mark.parametrize("encoder", ["fma", "mma", "cluster2", "cluster4"])
 @pytest.mark.parametrize("batch", [1, 4, 6, 16])
 def test_into_on_each_cuda_kernel(monkeypatch, encoder, batch):
-    """A decode step of the paper's MLP (bf16 weights) through the float32 and the tensor-core kernel."""
+    """A decode step of the paper's MLP (bf16 weights) through the float32, the tensor-core and the
+    cluster kernels."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA kernels")
     monkeypatch.setenv("HASHATTENTION_ENCODER", encoder)

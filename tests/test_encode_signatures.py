@@ -156,8 +156,9 @@ def test_encode_weights_at_unaligned_addresses(device, misaligned, weight_dtype)
 # bf16 weights at decode sizes run on tensor cores (encode_mma.cu) when every width is a multiple of
 # 16 up to 256 and a head has 5 to 16 rows (batch * tokens); the rest stays on the float32 kernel.
 # These shapes sit on both sides of each limit, and each runs under the automatic choice and under
-# each kernel forced (HASHATTENTION_ENCODER=fma / mma; "mma" also takes 1-4 rows; on the CPU the
-# variable means nothing).
+# each kernel forced (HASHATTENTION_ENCODER=fma / mma / cluster2 / cluster4; "mma" also takes 1-4
+# rows, the cluster kernels take power-of-two widths up to 256 with x in the weights' dtype and
+# leave the rest to the automatic choice; on the CPU the variable means nothing).
 @pytest.mark.parametrize(
     "batch,tokens,sizes",
     [
@@ -173,7 +174,7 @@ def test_encode_weights_at_unaligned_addresses(device, misaligned, weight_dtype)
     ],
 )
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kernel", ["auto", "fma", "mma"])
+@pytest.mark.parametrize("kernel", ["auto", "fma", "mma", "cluster2", "cluster4"])
 def test_encode_bf16_weights_on_both_kernels(device, monkeypatch, batch, tokens, sizes, x_dtype, kernel):
     if device == "cpu" and kernel != "auto":
         pytest.skip("HASHATTENTION_ENCODER chooses between CUDA kernels")
@@ -197,7 +198,7 @@ def test_encode_rejects_unknown_kernel_choice(device, monkeypatch):
     g = generator_for("encode-kernel-choice", device)
     x = torch.randn(1, 2, 1, 64, generator=g).to(torch.bfloat16).to(device)
     weights, biases = make_mlp(2, [64, 32], g, torch.bfloat16, device)
-    with pytest.raises(RuntimeError, match="HASHATTENTION_ENCODER must be fma or mma"):
+    with pytest.raises(RuntimeError, match="HASHATTENTION_ENCODER must be fma, mma, cluster2 or cluster4"):
         ha.encode_signatures(x, weights, biases)
 
 

@@ -36,6 +36,8 @@
 #include <vector>
 
 #include "cuda_common.cuh"
+#include "encode_choice.h"
+#include "encode_cluster.h"
 #include "encode_common.cuh"
 #include "encode_mma.h"
 
@@ -359,6 +361,13 @@ void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_ty
 // blocks of one head only re-read its weights from L2; so a decode step at B = 4 (a pair launch:
 // 64 heads) runs 256 one-row blocks, and prefill-sized row counts take 8 rows per block.
 void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
+  // Timing aid: HASHATTENTION_ENCODER=cluster2 / cluster4 splits each head over a cluster of blocks
+  // (encode_cluster.cu) wherever that kernel applies.
+  const EncoderChoice choice = encoder_choice_from_environment();
+  if ((choice == EncoderChoice::kCluster2 || choice == EncoderChoice::kCluster4) &&
+      launch_encode_cluster(launch, problems, x_type, weight_type, choice == EncoderChoice::kCluster2 ? 2 : 4)) {
+    return;
+  }
   // bf16 weights and 5-16 rows per head: the tensor-core kernel (encode_mma.cu), ~10 us at any row
   // count, where this one's FMA chains grow with the rows.
   if (launch_encode_mma(launch, problems, x_type, weight_type)) return;

@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda_common.cuh"
+#include "encode_choice.h"
 
 namespace hashattention {
 namespace cuda {
@@ -253,18 +254,6 @@ __global__ void __launch_bounds__(kMmaThreads) mma_mlp_sign_kernel(MmaLaunch lau
   }
 }
 
-// The kernel choice: kAuto (HASHATTENTION_ENCODER unset) takes this kernel for more than
-// kMinMmaRows rows per head; "mma" wherever it applies, "fma" never (timing aids for A/B runs).
-enum class KernelChoice { kAuto, kMma, kFma };
-
-KernelChoice kernel_choice_from_environment() {
-  const char* value = std::getenv("HASHATTENTION_ENCODER");
-  if (value == nullptr || *value == '\0') return KernelChoice::kAuto;
-  TORCH_CHECK(std::strcmp(value, "fma") == 0 || std::strcmp(value, "mma") == 0,
-              "HASHATTENTION_ENCODER must be fma or mma (a timing aid), got '", value, "'");
-  return std::strcmp(value, "mma") == 0 ? KernelChoice::kMma : KernelChoice::kFma;
-}
-
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 // The shared-memory layout of problem p, or false when it does not fit the kernel.
@@ -319,11 +308,13 @@ bool launch_kernel(const MmaLaunch& launch, int problems, size_t smem) {
 bool launch_encode_mma(const FusedMlpLaunch& work, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
   if (weight_type != at::kBFloat16 || at::cuda::getCurrentDeviceProperties()->major < 8) return false;
   if (x_type != at::kFloat && x_type != at::kHalf && x_type != at::kBFloat16) return false;
-  const KernelChoice choice = kernel_choice_from_environment();
-  if (choice == KernelChoice::kFma) return false;
+  // Unset (or a cluster choice that did not apply): this kernel for more than kMinMmaRows rows per
+  // head; "mma" wherever it applies; "fma" never.
+  const EncoderChoice choice = encoder_choice_from_environment();
+  if (choice == EncoderChoice::kFma) return false;
   int64_t rows = 0;
   for (int i = 0; i < problems; ++i) rows = std::max(rows, work.problems[i].rows);
-  if (choice == KernelChoice::kAuto && rows <= kMinMmaRows) return false;
+  if (choice != EncoderChoice::kMma && rows <= kMinMmaRows) return false;
   MmaLaunch launch{};
   launch.work = work;
   int64_t staged = 0;
