@@ -1,4 +1,5 @@
-"""The few-rows encoder split over thread-block clusters (HASHATTENTION_ENCODER=cluster2 / cluster4).
+"""The few-rows encoder split over thread-block clusters (the automatic choice up to 4 rows per head;
+forced everywhere it applies by HASHATTENTION_ENCODER=cluster2 / cluster4).
 
 Each head's MLP runs on 2 or 4 blocks that each own a share of every layer's inputs and add their
 partial sums through distributed shared memory. Its signatures must match the float64 reference on

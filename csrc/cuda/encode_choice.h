@@ -6,7 +6,8 @@ namespace hashattention {
 namespace cuda {
 
 enum class EncoderChoice {
-  kAuto,      // unset: see launch_fused (encode_fused.cu)
+  kAuto,      // unset: clusters of 2 blocks up to 4 rows per head, else tensor cores for 5-16 rows of
+              //   bf16 weights, else the float32 FMA kernel (launch_fused, encode_fused.cu)
   kMma,       // "mma": the tensor-core kernel wherever it applies (encode_mma.cu)
   kFma,       // "fma": the float32 FMA kernel, one block per head and row group (encode_fused.cu)
   kCluster2,  // "cluster2" / "cluster4": each head's MLP split over a cluster of 2 / 4 blocks

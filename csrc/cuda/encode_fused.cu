@@ -56,6 +56,10 @@ constexpr int kEncodeThreads = 256;
 constexpr int kRowsPerBlock = 8;            // most rows of one head per block (accumulators per thread)
 constexpr int64_t kMaxWidth = 1024;         // widest layer kept in shared memory
 constexpr int64_t kMaxRows = 64;            // rows per head (batch * tokens) up to which the fused path runs
+// Rows per head up to which the automatic choice splits each head over a cluster of 2 blocks
+// (encode_cluster.cu; bench_encode_20261204_s23.md: B = 1 / 4 7.39 / 9.39 us per pair launch
+// against 7.72 / 11.39 here; at B = 8 the tensor-core kernel's 10.99 beats its 11.56).
+constexpr int64_t kMaxAutoClusterRows = 4;
 constexpr int64_t kStageBytes = 64 * 1024;  // weights staged per round trip when not all fit at once
 constexpr int64_t kMaxSharedBytes = 200 * 1024;  // all layers' weights are staged up front if the block's total fits
 
@@ -361,11 +365,15 @@ void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_ty
 // blocks of one head only re-read its weights from L2; so a decode step at B = 4 (a pair launch:
 // 64 heads) runs 256 one-row blocks, and prefill-sized row counts take 8 rows per block.
 void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
-  // Timing aid: HASHATTENTION_ENCODER=cluster2 / cluster4 splits each head over a cluster of blocks
-  // (encode_cluster.cu) wherever that kernel applies.
+  // Up to kMaxAutoClusterRows rows per head, or when HASHATTENTION_ENCODER=cluster2 / cluster4 (a
+  // timing aid) asks for it: each head split over a cluster of blocks (encode_cluster.cu), wherever
+  // that kernel applies (sm_90, float16 / bfloat16, power-of-two widths up to 256).
   const EncoderChoice choice = encoder_choice_from_environment();
-  if ((choice == EncoderChoice::kCluster2 || choice == EncoderChoice::kCluster4) &&
-      launch_encode_cluster(launch, problems, x_type, weight_type, choice == EncoderChoice::kCluster2 ? 2 : 4)) {
+  int64_t most_rows = 0;
+  for (int i = 0; i < problems; ++i) most_rows = std::max(most_rows, launch.problems[i].rows);
+  const bool cluster = choice == EncoderChoice::kCluster2 || choice == EncoderChoice::kCluster4 ||
+                       (choice == EncoderChoice::kAuto && most_rows <= kMaxAutoClusterRows);
+  if (cluster && launch_encode_cluster(launch, problems, x_type, weight_type, choice == EncoderChoice::kCluster4 ? 4 : 2)) {
     return;
   }
   // bf16 weights and 5-16 rows per head: the tensor-core kernel (encode_mma.cu), ~10 us at any row
