@@ -27,6 +27,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "cuda_common.cuh"
 #include "encode_choice.h"
@@ -98,6 +101,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[kRows], const float* __r
 
 template <typename x_t, typename w_t, int kRows, int kBlocks>
 __global__ void __launch_bounds__(kClusterThreads) cluster_mlp_sign_kernel(const __grid_constant__ ClusterLaunch launch) {
+  // Clusters are sm_90: code built for an older architecture is empty, and the host never launches
+  // it (built_for_clusters).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t unit = int64_t(blockIdx.x) / kBlocks;  // (problem, head) of this cluster
@@ -234,6 +240,26 @@ __global__ void __launch_bounds__(kClusterThreads) cluster_mlp_sign_kernel(const
       cluster.sync();  // every block's shared memory stays alive until block 0 has read it
     }
   }
+#endif
+}
+
+// Whether `kernel`'s code was built for sm_90 or later (a fat binary for older architectures only, or
+// PTX of an older virtual architecture JIT-compiled on an H100, holds the empty body). Asked from the
+// driver once per (device, kernel).
+bool built_for_clusters(const void* kernel) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, bool> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, kernel);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    it = cache.emplace(key, attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90).first;
+  }
+  return it->second;
 }
 
 int log2_exact(int value) {
@@ -287,7 +313,7 @@ bool describe_cluster_layout(const FusedMlpParams& p, int blocks, int rows_per_b
 }
 
 template <typename t, int kRows, int kBlocks>
-void launch_kernel(const ClusterLaunch& launch, int problems, size_t smem) {
+bool launch_kernel(const ClusterLaunch& launch, int problems, size_t smem) {
   int64_t heads = 0, rows = 0;
   for (int i = 0; i < problems; ++i) {
     heads += launch.work.problems[i].heads;
@@ -295,6 +321,7 @@ void launch_kernel(const ClusterLaunch& launch, int problems, size_t smem) {
   }
   const dim3 grid(static_cast<unsigned>(heads * kBlocks), static_cast<unsigned>(ceil_div(rows, int64_t(kRows))));
   auto kernel = cluster_mlp_sign_kernel<t, t, kRows, kBlocks>;
+  if (!built_for_clusters(reinterpret_cast<const void*>(kernel))) return false;
   allow_shared_memory(kernel, smem);
   KernelLaunch config(grid, dim3(kClusterThreads), smem, at::cuda::getCurrentCUDAStream());
   config.cluster(dim3(kBlocks, 1, 1));
@@ -302,10 +329,11 @@ void launch_kernel(const ClusterLaunch& launch, int problems, size_t smem) {
   void* args[] = {const_cast<ClusterLaunch*>(&launch)};
   C10_CUDA_CHECK(cudaLaunchKernelExC(&config.config, reinterpret_cast<const void*>(kernel), args));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 template <typename t, int kBlocks>
-void launch_rows(const ClusterLaunch& launch, int problems, int rows_per_block, size_t smem) {
+bool launch_rows(const ClusterLaunch& launch, int problems, int rows_per_block, size_t smem) {
   switch (rows_per_block) {
     case 1: return launch_kernel<t, 1, kBlocks>(launch, problems, smem);
     case 2: return launch_kernel<t, 2, kBlocks>(launch, problems, smem);
@@ -315,9 +343,9 @@ void launch_rows(const ClusterLaunch& launch, int problems, int rows_per_block, 
 }
 
 template <typename t>
-void launch_for_type(const ClusterLaunch& launch, int blocks, int problems, int rows_per_block, size_t smem) {
+bool launch_for_type(const ClusterLaunch& launch, int blocks, int problems, int rows_per_block, size_t smem) {
   if (blocks == 2) return launch_rows<t, 2>(launch, problems, rows_per_block, smem);
-  launch_rows<t, 4>(launch, problems, rows_per_block, smem);
+  return launch_rows<t, 4>(launch, problems, rows_per_block, smem);
 }
 
 }  // namespace
@@ -343,11 +371,9 @@ bool launch_encode_cluster(const FusedMlpLaunch& work, int problems, at::ScalarT
     smem = std::max(smem, bytes);
   }
   if (weight_type == at::kHalf) {
-    launch_for_type<at::Half>(launch, cluster_blocks, problems, rows_per_block, static_cast<size_t>(smem));
-  } else {
-    launch_for_type<at::BFloat16>(launch, cluster_blocks, problems, rows_per_block, static_cast<size_t>(smem));
+    return launch_for_type<at::Half>(launch, cluster_blocks, problems, rows_per_block, static_cast<size_t>(smem));
   }
-  return true;
+  return launch_for_type<at::BFloat16>(launch, cluster_blocks, problems, rows_per_block, static_cast<size_t>(smem));
 }
 
 }  // namespace cuda
