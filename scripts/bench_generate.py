@@ -771,6 +771,20 @@ def environment(args, device) -> dict:
     }
 
 
+# Environment variables that change what a run measures: the package's timing aids (for example
+# HASHATTENTION_ENCODER), inductor's settings and the CUDA runtime's. Each run records the ones set,
+# so that its rows can be reproduced.
+MEASURED_ENVIRONMENT_PREFIXES = ("HASHATTENTION_", "TORCHINDUCTOR_")
+MEASURED_ENVIRONMENT_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING",
+                              "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+
+
+def measured_environment() -> Dict[str, str]:
+    """The set variables of MEASURED_ENVIRONMENT_PREFIXES / _NAMES, by name."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name.startswith(MEASURED_ENVIRONMENT_PREFIXES) or name in MEASURED_ENVIRONMENT_NAMES}
+
+
 def cell_key(row) -> tuple:
     return (row["B"], row["n"], row["method"])
 
@@ -795,6 +809,12 @@ def fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def environment_note(run: dict) -> str:
+    """"; environment: `A=1 B=2`" for a run that recorded set variables (runs before they were recorded: "")."""
+    names = run.get("environment") or {}
+    return "; environment: `" + " ".join(f"{k}={v}" for k, v in names.items()) + "`" if names else ""
+
+
 def markdown(record: dict) -> str:
     rows = sorted(record["rows"], key=lambda r: (r["B"], r["n"], r.get("order", 0)))
     lines = [
@@ -804,7 +824,7 @@ def markdown(record: dict) -> str:
         f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, commit {record['env']['git_commit']}",
         "- commands (each run merges its rows into this file):",
         *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}, "
-          f"{run['model']})" for run in record["runs"]],
+          f"{run['model']}{environment_note(run)})" for run in record["runs"]],
         "- tokens/s = B x steps / time of `steps` greedy decode steps (CUDA events, one sync at the end); ratio = "
         "tokens/s over dense's in the same (B, n); attention share = all layers' attention alone "
         "(CUDA-graph replay on the cell's cache) / ms per step; KV = K+V bytes of n tokens; signatures = the "
@@ -948,7 +968,8 @@ class Benchmark:
         self.record["runs"].append({
             "command": command, "started_utc": f"{today:%Y-%m-%d %H:%M} UTC", "fill": args.fill,
             "compile": args.compile, "model": described, "steps": args.steps, "warmup": args.warmup,
-            "sink": args.sink, "local": args.local, "model_build_s": t.seconds})
+            "sink": args.sink, "local": args.local, "model_build_s": t.seconds,
+            "environment": measured_environment()})
         self.families = sorted({m.family for m in args.method_specs if m.family})
         self.adapters = {f: build_adapters(c, f, self.device, self.dtype) for f in self.families}
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

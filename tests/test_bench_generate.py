@@ -36,9 +36,12 @@ def test_cli_end_to_end_tiny_model(tmp_path):
     methods = ["dense", "hash-query_head-full", "hash-kv_group-full", "hash-query_head-32"]
     command = [sys.executable, SCRIPT, *TINY, "--contexts", "96", "--batches", "1,2", "--steps", "4", "--profile-steps", "1",
                "--methods", ",".join(methods), "--out", str(tmp_path), "--trace-dir", str(tmp_path / "traces")]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    # A timing aid set for the run (it means nothing on the CPU) is recorded with the run.
+    env = {**os.environ, "HASHATTENTION_ENCODER": "fma"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record, md_path = load_record(tmp_path)
+    assert record["runs"][0]["environment"]["HASHATTENTION_ENCODER"] == "fma"
     rows = {(r["B"], r["n"], r["method"]): r for r in record["rows"]}
     assert set(rows) == {(b, 96, m) for b in (1, 2) for m in methods}
     for key, row in rows.items():
@@ -79,6 +82,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
     assert len(rows[(2, 96, "hash-query_head-32")]["ran_before_in_process"]) == 9
     text = open(md_path).read()
     assert "| 2 | 96 | hash-query_head-32 |" in text and "## Targets (issue 7)" in text
+    assert "; environment: `" in text and "HASHATTENTION_ENCODER=fma" in text
     assert "1 GPU job before it in its process" in text and "9 GPU jobs before it in its process" in text
     assert "| idle µs inside a replay |" in text  # no CUDA graphs on the CPU: "-" in that column
     assert "**not measured**" in text  # the 128K targets are not part of this grid
