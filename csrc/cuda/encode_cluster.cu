@@ -27,9 +27,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "cuda_common.cuh"
 #include "encode_choice.h"
@@ -102,7 +99,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[kRows], const float* __r
 template <typename x_t, typename w_t, int kRows, int kBlocks>
 __global__ void __launch_bounds__(kClusterThreads) cluster_mlp_sign_kernel(const __grid_constant__ ClusterLaunch launch) {
   // Clusters are sm_90: code built for an older architecture is empty, and the host never launches
-  // it (built_for_clusters).
+  // it (kernel_built_for_sm90).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -243,25 +240,6 @@ __global__ void __launch_bounds__(kClusterThreads) cluster_mlp_sign_kernel(const
 #endif
 }
 
-// Whether `kernel`'s code was built for sm_90 or later (a fat binary for older architectures only, or
-// PTX of an older virtual architecture JIT-compiled on an H100, holds the empty body). Asked from the
-// driver once per (device, kernel).
-bool built_for_clusters(const void* kernel) {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, bool> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, kernel);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    cudaFuncAttributes attributes{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    it = cache.emplace(key, attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90).first;
-  }
-  return it->second;
-}
-
 int log2_exact(int value) {
   int shift = 0;
   while ((1 << shift) < value) ++shift;
@@ -321,7 +299,7 @@ bool launch_kernel(const ClusterLaunch& launch, int problems, size_t smem) {
   }
   const dim3 grid(static_cast<unsigned>(heads * kBlocks), static_cast<unsigned>(ceil_div(rows, int64_t(kRows))));
   auto kernel = cluster_mlp_sign_kernel<t, t, kRows, kBlocks>;
-  if (!built_for_clusters(reinterpret_cast<const void*>(kernel))) return false;
+  if (!kernel_built_for_sm90(reinterpret_cast<const void*>(kernel))) return false;
   allow_shared_memory(kernel, smem);
   KernelLaunch config(grid, dim3(kClusterThreads), smem, at::cuda::getCurrentCUDAStream());
   config.cluster(dim3(kBlocks, 1, 1));

@@ -1,5 +1,5 @@
-// Host side of programmatic dependent launch (see programmatic_launch.cuh):
-// which kernels may be launched with the programmatic stream serialization attribute.
+// Host side of programmatic_launch.cuh: which kernels run sm_90 code (and so may use clusters and
+// programmatic dependent launch).
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -11,14 +11,7 @@
 namespace hashattention {
 namespace cuda {
 
-bool programmatic_launch_allowed(const void* kernel) {
-  // Timing aid (A/B measurements of the launch overlap; never set outside them): "0" turns it off.
-  const char* value = std::getenv("HASHATTENTION_PROGRAMMATIC_LAUNCH");
-  if (value != nullptr && *value != '\0') {
-    TORCH_CHECK(std::strcmp(value, "0") == 0 || std::strcmp(value, "1") == 0,
-                "HASHATTENTION_PROGRAMMATIC_LAUNCH must be 0 or 1 (a timing aid), got '", value, "'");
-    if (value[0] == '0') return false;
-  }
+bool kernel_built_for_sm90(const void* kernel) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mutex;
@@ -29,13 +22,22 @@ bool programmatic_launch_allowed(const void* kernel) {
   if (it == cache.end()) {
     cudaFuncAttributes attributes{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    // ptxVersion: the virtual architecture the code came from, which decides whether the
-    // griddepcontrol instructions are in it (SASS for sm_90 can come from compute_80 PTX).
-    const bool allowed = at::cuda::getCurrentDeviceProperties()->major >= 9 && attributes.ptxVersion >= 90 &&
-                         attributes.binaryVersion >= 90;
-    it = cache.emplace(key, allowed).first;
+    const bool sm90 = at::cuda::getCurrentDeviceProperties()->major >= 9 && attributes.ptxVersion >= 90 &&
+                      attributes.binaryVersion >= 90;
+    it = cache.emplace(key, sm90).first;
   }
   return it->second;
+}
+
+bool programmatic_launch_allowed(const void* kernel) {
+  // Timing aid (A/B measurements of the launch overlap; never set outside them): "0" turns it off.
+  const char* value = std::getenv("HASHATTENTION_PROGRAMMATIC_LAUNCH");
+  if (value != nullptr && *value != '\0') {
+    TORCH_CHECK(std::strcmp(value, "0") == 0 || std::strcmp(value, "1") == 0,
+                "HASHATTENTION_PROGRAMMATIC_LAUNCH must be 0 or 1 (a timing aid), got '", value, "'");
+    if (value[0] == '0') return false;
+  }
+  return kernel_built_for_sm90(kernel);
 }
 
 }  // namespace cuda

@@ -26,10 +26,16 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// Whether `kernel` may be launched with programmatic stream serialization: the device is sm_90 or
-// later and the kernel's code was compiled for sm_90 or later (so it holds the wait), and the
-// timing aid HASHATTENTION_PROGRAMMATIC_LAUNCH (0: never, for A/B measurements) does not turn it
-// off. Asked from the driver once per (device, kernel).
+// Whether `kernel` runs sm_90 code on the current device: the device is sm_90 or later and the
+// kernel's code came from sm_90 or later, both the PTX it was compiled from (ptxVersion: SASS for
+// sm_90 can be JIT-compiled from compute_80 PTX, whose `#if __CUDA_ARCH__ >= 900` parts are empty)
+// and the binary (binaryVersion). Only such kernels may use clusters, griddepcontrol or other sm_90
+// instructions. Asked from the driver once per (device, kernel).
+bool kernel_built_for_sm90(const void* kernel);
+
+// Whether `kernel` may be launched with programmatic stream serialization: it is built for sm_90
+// (kernel_built_for_sm90, so it holds the wait), and the timing aid HASHATTENTION_PROGRAMMATIC_LAUNCH
+// (0: never, for A/B measurements) does not turn it off.
 bool programmatic_launch_allowed(const void* kernel);
 
 // A configuration for cudaLaunchKernelExC with the launch attributes this package uses: thread-block

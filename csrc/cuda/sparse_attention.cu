@@ -75,7 +75,8 @@ int64_t resident_blocks_per_sm(AttentionKernel kernel) {
 }
 
 // Clusters of `size` blocks of `kernel` that the device holds at once (0 where clusters of that
-// size cannot run: before sm_90, or a kernel built for an older architecture), asked from the
+// size cannot run: before sm_90, or a kernel whose code is not sm_90's -- its cluster merge would
+// trap), asked from the
 // driver once per (device, kernel, size).
 int64_t resident_clusters(AttentionKernel kernel, int size) {
   int device = 0;
@@ -87,10 +88,7 @@ int64_t resident_clusters(AttentionKernel kernel, int size) {
   auto it = cache.find(key);
   if (it == cache.end()) {
     int clusters = 0;
-    cudaFuncAttributes attributes{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    if (at::cuda::getCurrentDeviceProperties()->major >= 9 && attributes.binaryVersion >= 90 &&
-        size <= kMaxClusterSplits) {
+    if (kernel_built_for_sm90(reinterpret_cast<const void*>(kernel)) && size <= kMaxClusterSplits) {
       if (size > 8) {  // beyond the portable cluster size: opt in
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       }
