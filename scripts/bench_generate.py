@@ -53,6 +53,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -119,6 +120,9 @@ def parse_args(argv=None):
     parser.add_argument("--time-budget-s", type=float, default=540.0,
                         help="skip (and record) what would end after this many seconds from the start")
     parser.add_argument("--no-attention-share", action="store_true", help="skip the per-layer attention timing")
+    parser.add_argument("--paced-steps", type=int, default=16,
+                        help="extra decode steps (at most --steps) timed one at a time, each after the GPU went idle "
+                             "(0: skip)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="profile this many extra decode steps per method (GPU kernel time by category, "
                              "host-sync calls per step); 0 = off")
@@ -595,6 +599,21 @@ def decode(forward, cache, first_token, start: int, steps: int, full_mask, devic
     return torch.cat(chosen, dim=1)
 
 
+def paced_step_ms(forward, cache, first_token, start: int, steps: int, full_mask, device, mark_steps: bool) -> float:
+    """Median GPU milliseconds of one decode step run alone: each step is issued after the GPU went idle
+    (a sync before it) and timed by CUDA events around it. Against the back-to-back ``ms_per_step`` this
+    separates what a step costs by itself from what running steps back to back adds or hides (queued
+    launches, clocks under sustained load)."""
+    times = []
+    for step in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with Timer(device) as t:
+            decode(forward, cache, first_token, start + step, 1, full_mask, device, mark_steps)
+        times.append(1e3 * t.seconds)
+    return float(statistics.median(times))
+
+
 def compile_counters():
     from torch._dynamo.utils import counters
 
@@ -712,6 +731,11 @@ def run_method(model, cache, first_token, valid: int, args, device, trace_path: 
         with Timer(device) as t:
             tokens = decode(forward, cache, first_token, valid, args.steps, full_mask, device, mark)
         result.update(compile_counters())
+        if args.paced_steps > 0:
+            rewind(cache, valid)
+            # at most `steps` of them: the positions of the timed steps, which the cache has slots for
+            result["paced_ms_per_step"] = paced_step_ms(forward, cache, first_token, valid,
+                                                        min(args.paced_steps, args.steps), full_mask, device, mark)
         if args.profile_steps > 0:
             try:
                 result["profile"] = profile_decode(forward, cache, first_token, valid, args.profile_steps, full_mask,
@@ -843,6 +867,8 @@ def markdown(record: dict) -> str:
         notes = []
         if r.get("dense_backend"):
             notes.append(f"backend {r['dense_backend']}")
+        if r.get("paced_ms_per_step"):
+            notes.append(f"{r['paced_ms_per_step']:.2f} ms a step alone")
         if r.get("first_divergence_from_dense") is not None:
             notes.append(f"tokens = dense for {r['first_divergence_from_dense']} steps")
         if "ran_before_in_process" in r:
@@ -1145,6 +1171,7 @@ class Benchmark:
                 row["first_divergence_from_dense"] = first_divergence(row["generated_tokens"], cell.dense_tokens)
             print(f"    {row['tokens_per_s']:.1f} tokens/s, {row['ms_per_step']:.2f} ms/step"
                   + (f" (host issued {row['host_ms_per_step']:.2f})" if row.get("host_ms_per_step") else "")
+                  + (f", {row['paced_ms_per_step']:.2f} ms a step alone" if row.get("paced_ms_per_step") else "")
                   + (f", {row['ratio_to_dense']:.2f}x dense" if row.get("ratio_to_dense") else "")
                   + (f", attention {100 * row['attention_share']:.0f}%" if row.get("attention_share") else "")
                   + f", compile {fmt(row.get('compile_s'), '.1f')} s, graph breaks {row['graph_breaks']}, "

@@ -48,6 +48,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
         assert row["status"] == "ok", (key, row.get("reason"))
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, key
         assert row["ms_per_step"] > 0 and row["graph_breaks"] == 0
+        assert math.isfinite(row["paced_ms_per_step"]) and row["paced_ms_per_step"] > 0, key
         tokens = torch.tensor(row["generated_tokens"])
         assert tokens.shape == (key[0], 4)
         assert 0 <= int(tokens.min()) and int(tokens.max()) < 512
@@ -84,6 +85,8 @@ def test_cli_end_to_end_tiny_model(tmp_path):
     assert "| 2 | 96 | hash-query_head-32 |" in text and "## Targets (issue 7)" in text
     assert "; environment: `" in text and "HASHATTENTION_ENCODER=fma" in text
     assert "1 GPU job before it in its process" in text and "9 GPU jobs before it in its process" in text
+    paced = rows[(2, 96, "dense")]["paced_ms_per_step"]
+    assert f"{paced:.2f} ms a step alone" in text
     assert "| idle µs inside a replay |" in text  # no CUDA graphs on the CPU: "-" in that column
     assert "**not measured**" in text  # the 128K targets are not part of this grid
 
