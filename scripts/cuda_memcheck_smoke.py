@@ -1,10 +1,10 @@
 """Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see scripts/gpu_check.sh).
 
-Covers each kernel path once or twice: the fused and the cuBLAS encoder (alone and as a pair),
-sign-and-pack,
+Covers each kernel path once or twice: the fused, cluster (2 and 4 blocks per head), tensor-core
+and cuBLAS encoders (alone and as a pair), sign-and-pack,
 Hamming scores, the one-launch (also in grid slices), chunked and radix-select paths of hamming_topk,
 topk_from_scores, sparse_attention with one and with several splits (merged in a cluster and
-through the counters), HF and paged layouts,
+through the counters, from a memset or from the caller's workspace), HF and paged layouts,
 with counts and without. Results are compared with the
 CPU kernels so the run also fails on wrong answers. Prints OK at the end.
 """
@@ -18,6 +18,12 @@ import hashattention as ha
 
 def signatures(shape, g):
     return torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def bit_agreement(a, b):
+    """Share of equal bits between two int32 signature tensors of one shape."""
+    differing = (a ^ b).view(torch.uint8).unsqueeze(-1).bitwise_and(1 << torch.arange(8, dtype=torch.uint8)) != 0
+    return 1.0 - differing.float().mean().item()
 
 
 def main():
@@ -36,6 +42,21 @@ def main():
         got = ha.encode_signatures_pair(query.cuda(), cuda(weights), cuda(biases), key.cuda(), cuda(weights), cuda(biases))
         expected = ha.encode_signatures_pair(query, weights, biases, key, weights, biases)
         assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape, "encode_signatures_pair"
+    # Half-precision decode rows: the cluster kernel (up to 4 rows per head, power-of-two widths;
+    # 2 and 4 blocks per head) and the tensor-core kernel (bf16 weights, 5-16 rows per head).
+    # Against the float32 CPU encoder: half-precision sums may flip a sign that sits near zero.
+    half_weights = [w.to(torch.bfloat16) for w in weights]
+    half_biases = [b.to(torch.bfloat16) for b in biases]
+    for rows, encoder in ((1, None), (2, "cluster4"), (4, None)):
+        x_half = torch.randn(2, 3, rows, 64, generator=g).to(torch.bfloat16)
+        expected = ha.encode_signatures(x_half.float(), [w.float() for w in half_weights], [b.float() for b in half_biases])
+        if encoder is not None:
+            os.environ["HASHATTENTION_ENCODER"] = encoder
+        try:
+            got = ha.encode_signatures(x_half.cuda(), cuda(half_weights), cuda(half_biases)).cpu()
+        finally:
+            os.environ.pop("HASHATTENTION_ENCODER", None)
+        assert bit_agreement(got, expected) > 0.97, f"encode_signatures bf16 rows={rows}"
     values = torch.randn(7, 96, generator=g)
     assert torch.equal(ha.pack_signs(values.cuda()).cpu(), ha.pack_signs(values))
 
@@ -95,6 +116,24 @@ def main():
             ref, _ = ha.sparse_attention(q, kp, vp, indices, scale=0.1, block_table=pages)
             assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"paged {dtype}"
     os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
+
+    # The counters' merge from a caller-owned workspace (no memset; the last split of each unit
+    # resets its counter, so the workspace must come back zeroed), with the cluster merge off.
+    os.environ["HASHATTENTION_ATTENTION_CLUSTER"] = "0"
+    try:
+        q = torch.randn(2, 8, 1, 128, generator=g).to(torch.bfloat16)
+        k = torch.randn(2, 2, 6000, 128, generator=g).to(torch.bfloat16)
+        v = torch.randn(2, 2, 6000, 128, generator=g).to(torch.bfloat16)
+        indices = torch.sort(torch.randperm(6000, generator=g)[:2000]).values.to(torch.int32).expand(2, 8, 1, 2000)
+        workspace = torch.zeros(2 * 8 * 1, dtype=torch.int32, device="cuda")
+        for _ in range(2):
+            out, _ = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.contiguous().cuda(), scale=0.1,
+                                         workspace=workspace)
+        ref, _ = ha.sparse_attention(q, k, v, indices.contiguous(), scale=0.1)
+        assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), "attention with workspace"
+        assert int(workspace.abs().sum()) == 0, "the workspace came back non-zero"
+    finally:
+        os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
     torch.cuda.synchronize()
     print("OK")
 
