@@ -626,7 +626,7 @@ def compile_counters():
 
 
 KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (namespaces dropped)
-    ("encode", ("fused_mlp", "sign_pack")),
+    ("encode", ("mlp_sign", "sign_pack")),  # fused_ / cluster_ / mma_mlp_sign_kernel, pack_signs
     ("selection", ("resident_select", "histogram_kernel", "compact_kernel", "threshold", "radix_select", "hamming", "topk")),
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "softmax")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "cublas", "aten::mm", "aten::addmm",
@@ -648,8 +648,9 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
 
     CUDA: GPU kernels. ``attention`` = attention kernels (FlashAttention / cuDNN / SDPA /
     ``sparse_attention_kernel``), ``selection`` = HashAttention's top-k kernels, ``encode`` = its
-    signature encoder (the fused decode-step kernel, or sign-and-pack after cuBLAS products, which
-    then count under ``gemm`` with the model's). CPU (smoke
+    signature encoder (a decode-step kernel: fused, cluster or tensor-core; or sign-and-pack after
+    cuBLAS products, which then count under ``gemm`` with the model's). Host syncs exclude the
+    profiler's own when it stops. CPU (smoke
     tests): the self time of the operators instead of kernels. With ``trace_path``, the Chrome trace is
     written there and ``timeline`` says where the GPU idled between kernels (``timeline_gaps.summarize``).
     """
@@ -659,6 +660,11 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
     cuda = device.type == "cuda"
     rewind(cache, valid)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # The profiler synchronizes the device when it stops; an empty profile counts those calls, so
+    # that only the decode steps' own synchronizations are reported.
+    with profile(activities=activities) as empty:
+        pass
+    profiler_syncs = {e.key: e.count for e in empty.key_averages() if e.key in SYNC_CALLS}
     with profile(activities=activities) as prof:
         decode(forward, cache, first_token, valid, steps, full_mask, device, mark)
     if cuda:
@@ -666,8 +672,8 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
     categories: Dict[str, float] = {}
     kernels, syncs = [], {}
     for event in prof.key_averages():
-        if event.key in SYNC_CALLS:
-            syncs[event.key] = event.count / steps
+        if event.key in SYNC_CALLS and event.count > profiler_syncs.get(event.key, 0):
+            syncs[event.key] = (event.count - profiler_syncs.get(event.key, 0)) / steps
         if cuda:
             if getattr(event, "device_type", None) != DeviceType.CUDA:
                 continue

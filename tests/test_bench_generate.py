@@ -187,6 +187,8 @@ def test_method_names_and_memory_arithmetic():
     assert bench.kernel_category("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
     assert bench.kernel_category("nvjet_hsh_128x64_64x4_1x2_h_bz_splitK_TNT") == "gemm"
     assert bench.kernel_category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+    for encoder in ("fused_mlp_sign_kernel", "cluster_mlp_sign_kernel", "mma_mlp_sign_kernel"):
+        assert bench.kernel_category(f"void hashattention::cuda::(anonymous namespace)::{encoder}(Launch)") == "encode"
     for bad in ("hash-query_head-1", "hash-rows-16", "sparse", "hash-kv_group-x"):
         with pytest.raises(ValueError, match="--methods"):
             bench.parse_method(bad)
