@@ -16,14 +16,7 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLE_CORPUS = os.path.join(REPO_ROOT, "train", "sample_corpus")
-
-
-def default_corpus() -> str:
-    """``../shared/corpus`` next to the clone when present (this machine and CI), else the shipped sample."""
-    shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "corpus")
-    return shared if os.path.isdir(shared) else SAMPLE_CORPUS
+from hashattention.corpus import REPO_ROOT, SAMPLE_CORPUS, default_corpus  # noqa: F401  (shared with the evaluation)
 
 
 @dataclasses.dataclass

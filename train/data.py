@@ -16,10 +16,11 @@ the streaming ``train`` split; document ``i`` is held out iff ``i % validation_m
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Iterator, List
 
 import torch
+
+from hashattention.corpus import corpus_files, is_held_out, path_checksum
 
 from .config import TrainConfig
 
@@ -35,31 +36,9 @@ class ByteTokenizer:
         return [b % self.vocab_size for b in text.encode("utf-8")]
 
 
-def corpus_files(corpus: str) -> List[str]:
-    """Relative paths of the ``*.txt`` files under ``corpus``, sorted (README files excluded)."""
-    if not os.path.isdir(corpus):
-        raise ValueError(f"corpus must be a directory of .txt files, got {corpus!r}")
-    found = []
-    for root, _, names in os.walk(corpus):
-        for name in names:
-            if name.endswith(".txt") and name.lower() != "readme.txt":
-                found.append(os.path.relpath(os.path.join(root, name), corpus))
-    if not found:
-        raise ValueError(f"corpus {corpus!r} holds no .txt files")
-    return sorted(found)
-
-
-def _crc(relative_path: str) -> int:
-    return zlib.crc32(relative_path.replace(os.sep, "/").encode())
-
-
-def is_validation_document(relative_path: str, modulus: int) -> bool:
-    return _crc(relative_path) % modulus == 0
-
-
 def _local_documents(config: TrainConfig, split: str) -> Iterator[str]:
-    for relative in sorted(corpus_files(config.corpus), key=lambda r: (_crc(r), r)):
-        if is_validation_document(relative, config.validation_modulus) == (split == "validation"):
+    for relative in sorted(corpus_files(config.corpus), key=lambda r: (path_checksum(r), r)):
+        if is_held_out(relative, config.validation_modulus) == (split == "validation"):
             with open(os.path.join(config.corpus, relative), encoding="utf-8", errors="replace") as f:
                 yield f.read()
 

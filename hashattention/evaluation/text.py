@@ -1,44 +1,18 @@
 """Local text for the evaluation: corpus split, word pools and a byte tokenizer for tiny test models.
 
 The corpus is a folder of ``*.txt`` files (default: ``../shared/corpus`` next to the clone).
-A file is *held out* iff ``crc32(relative path) % modulus == 0`` -- the same rule and default
-modulus (10) as the adapter training's validation split, so the evaluation text (NLL, RULER
-haystacks) was never seen by the trained adapters. The other files provide calibration text
-(Double Sparsity) and word pools.
+Held-out files follow :mod:`hashattention.corpus`, the rule the adapter training validates with (same
+default modulus, 10), so the evaluation text (NLL, RULER haystacks) was never seen by the trained
+adapters. The other files provide calibration text (Double Sparsity) and word pools.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import zlib
 from typing import List, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def default_corpus() -> str:
-    """``../shared/corpus`` next to the clone when present, else the training's shipped sample."""
-    shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "corpus")
-    return shared if os.path.isdir(shared) else os.path.join(REPO_ROOT, "train", "sample_corpus")
-
-
-def corpus_files(corpus: str) -> List[str]:
-    """Sorted relative paths of the ``*.txt`` files under ``corpus``."""
-    if not os.path.isdir(corpus):
-        raise ValueError(f"corpus must be a directory of .txt files, got {corpus!r}")
-    found = []
-    for root, _, names in os.walk(corpus):
-        for name in names:
-            if name.endswith(".txt") and name.lower() != "readme.txt":
-                found.append(os.path.relpath(os.path.join(root, name), corpus).replace(os.sep, "/"))
-    if not found:
-        raise ValueError(f"corpus {corpus!r} holds no .txt files")
-    return sorted(found)
-
-
-def is_held_out(relative_path: str, modulus: int) -> bool:
-    return zlib.crc32(relative_path.encode()) % modulus == 0
+from ..corpus import REPO_ROOT, corpus_files, default_corpus, is_held_out  # noqa: F401  (one split rule)
 
 
 def read_split(corpus: str, held_out: bool, modulus: int = 10) -> List[str]:
