@@ -49,7 +49,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
+import provenance  # noqa: E402
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK, LOCAL = 128, 128
@@ -311,6 +313,7 @@ def markdown(results, meta, notes) -> str:
     lines = [f"# Decode attention, one Llama-3.1-8B layer ({meta['gpu']})", ""]
     lines += [f"- date: {meta['date']}", f"- GPU: {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}",
               f"- command: `{meta['command']}`",
+              f"- code: {provenance.label(meta['code'])}" if "code" in meta else "- code: not recorded",
               f"- copy bandwidth (read + write) measured in this run: {meta['copy_bandwidth_gbps']:.0f} GB/s", ""]
     headline = [r for r in results if r["batch"] == 1 and r["sparsity"] in ("-", "32x")]
     if headline:
@@ -356,6 +359,7 @@ def main():
         cuda=torch.version.cuda,
         python=platform.python_version(),
         command="python " + " ".join(sys.argv),
+        code=provenance.describe(),
         copy_bandwidth_gbps=bandwidth / 1e9,
         shape=dict(query_heads=QUERY_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE), sink=SINK,
                    local=LOCAL),

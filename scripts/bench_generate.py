@@ -54,7 +54,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -64,6 +63,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 
 DEFAULT_METHODS = "dense,hash-query_head-32,hash-query_head-16,hash-kv_group-32,hash-kv_group-16"
 DENSE_ATTENTION_NAME = "bench_dense"
@@ -789,15 +789,10 @@ def human_n(n: int) -> str:
 def environment(args, device) -> dict:
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        commit = ""
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-        "python": platform.python_version(), "git_commit": commit,
+        "python": platform.python_version(), **provenance.describe(),
     }
 
 
@@ -851,7 +846,7 @@ def markdown(record: dict) -> str:
         "# End-to-end decode throughput: Llama-3.1-8B architecture, random bf16 weights",
         "",
         f"- updated: {record['updated_utc']}; device: {record['env']['device']}; torch {record['env']['torch']}, "
-        f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, commit {record['env']['git_commit']}",
+        f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, {provenance.label(record['env'])}",
         "- commands (each run merges its rows into this file):",
         *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}, "
           f"{run['model']}{environment_note(run)})" for run in record["runs"]],
