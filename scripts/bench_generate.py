@@ -36,6 +36,11 @@ Results go to ``<out>/bench_generate_<YYYYMMDD>.json`` and ``.md``, rewritten af
 unless re-measured (``--fresh`` starts over). Cells that do not fit in free GPU memory, or that
 would overrun ``--time-budget-s``, are recorded as skipped with the reason.
 
+Layout: this file holds the arguments, the model, the cache fill and the grid loop;
+``generate_dense.py`` the dense backends and their float32 check, ``generate_timing.py`` the timers
+and the decode loop, ``generate_profile.py`` the profiler breakdown, ``generate_report.py`` the JSON
+and Markdown results.
+
     python scripts/bench_generate.py --contexts 131072 --batches 1,4 --out benchmarks/results
     python scripts/bench_generate.py --tiny --device cpu --compile none --contexts 96 --batches 1,2 --steps 4 \\
         --sink 4 --local 4 --methods dense,hash-query_head-full,hash-query_head-32 --out /tmp/bg
@@ -44,36 +49,55 @@ would overrun ``--time-budget-s``, are recorded as skipped with the reason.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import gc
 import json
 import math
 import os
-import platform
 import shlex
-import statistics
 import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import provenance  # noqa: E402
+from generate_dense import (  # noqa: E402
+    DENSE_ATTENTION_NAME,
+    DENSE_CANDIDATES_CUDA,
+    DENSE_STATE,
+    check_dense_backends,
+    register_dense_attention,
+    sdpa_backend,
+)
+from generate_profile import profile_decode  # noqa: E402
+from generate_report import (  # noqa: E402
+    TARGETS,
+    cell_key,
+    comparable_key,
+    environment,
+    first_divergence,
+    fmt,
+    human_n,
+    link_to_later_dense,
+    load_previous,
+    measured_environment,
+    target_line,
+    write_results,
+)
+from generate_timing import (  # noqa: E402
+    Timer,
+    compile_counters,
+    decode,
+    make_forward,
+    paced_step_ms,
+    rewind,
+    time_replays,
+)
 
 DEFAULT_METHODS = "dense,hash-query_head-32,hash-query_head-16,hash-kv_group-32,hash-kv_group-16"
-DENSE_ATTENTION_NAME = "bench_dense"
-DENSE_CANDIDATES_CUDA = ("flash-varlen", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
-SDPA_FLAGS = {  # backend -> (flash, mem_efficient, math, cudnn) enabled
-    "sdpa-cudnn": (False, False, False, True),
-    "sdpa-efficient": (False, True, False, False),
-    "sdpa-math": (False, False, True, False),
-}
-TARGETS = ((1, 131072, "hash-query_head-32", 1.7), (4, 131072, "hash-query_head-32", 2.5))
 
 
 # ---- arguments and methods --------------------------------------------------------------------------
@@ -264,220 +288,6 @@ def release(device):
         torch.cuda.empty_cache()
 
 
-# ---- timing -------------------------------------------------------------------------------------------
-
-class Timer:
-    """Elapsed seconds of a region: CUDA events (one sync at the end) on GPU, perf_counter on CPU.
-
-    ``host_seconds`` is the host's time to issue the region (perf_counter up to the final sync): when
-    it is close to ``seconds``, the GPU waited for the host (Python, guards, graph-replay
-    bookkeeping), and faster kernels would not show.
-    """
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        return self
-
-    def __exit__(self, *exc):
-        self.host_seconds = time.perf_counter() - self.t0
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
-
-def time_replays(fn, device, repeats: int = 10) -> float:
-    """Seconds per call of ``fn`` (a whole decode step's attention): CUDA-graph replays, eager if capture fails."""
-    if device.type != "cuda":
-        fn()
-        with Timer(device) as t:
-            for _ in range(repeats):
-                fn()
-        return t.seconds / repeats
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up on a side stream, as graph capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    except Exception:  # a backend that cannot be captured is timed by eager launches
-        torch.cuda.synchronize()
-        run = fn
-    run()
-    with Timer(device) as t:
-        for _ in range(repeats):
-            run()
-    del run
-    return t.seconds / repeats
-
-
-# ---- dense attention (valid prefix, verified backend) ------------------------------------------------
-
-DENSE_STATE = {"decode": "sdpa-math", "prefill": "sdpa-math"}
-
-
-@contextlib.contextmanager
-def sdpa_backend(name: str, device):
-    """Enable only ``name``'s SDPA backend (the choice is made when the graph is traced, so it spans the run)."""
-    if device.type != "cuda" or name not in SDPA_FLAGS:
-        yield
-        return
-    b = torch.backends.cuda
-    saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
-    flags = SDPA_FLAGS[name]
-    for setter, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp, b.enable_cudnn_sdp), flags):
-        setter(on)
-    try:
-        yield
-    finally:
-        for setter, on in zip((b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp, b.enable_cudnn_sdp),
-                              saved):
-            setter(on)
-
-
-def flash_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
-    """FlashAttention-2 varlen forward (torch's bundled copy): packed q ``(Tq, H, D)``, k/v ``(Tk, Hk, D)``."""
-    return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used_k
-    )[0]
-
-
-def flash_varlen(query, key, value, lengths, scale, causal):
-    """Exact attention over the first ``lengths[b]`` slots of each sequence of an HF-layout static cache.
-
-    query ``(B, Hq, L, D)``; key/value ``(B, Hkv, M, D)`` contiguous, read in place: each (sequence,
-    KV head) pair is one varlen "sequence" of M tokens with one KV head and the ``Hq / Hkv`` query heads
-    of its group (``key.view(B * Hkv * M, 1, D)``: no copy), of which ``seqused_k = lengths[b]`` are
-    used; causal is bottom-right aligned to that length. ``lengths``: int32 ``(B,)`` on the device.
-    Returns ``(B, L, Hq, D)``.
-    """
-    batch, heads, rows, dim = query.shape
-    kv_heads, slots = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    pairs = batch * kv_heads
-    k = key.reshape(pairs * slots, 1, dim)
-    v = value.reshape(pairs * slots, 1, dim)
-    q = query.reshape(batch, kv_heads, group, rows, dim).transpose(2, 3).reshape(pairs * rows, group, dim)
-    steps = torch.arange(pairs + 1, dtype=torch.int32, device=query.device)
-    used = lengths.to(torch.int32).repeat_interleave(kv_heads)
-    out = FLASH_KERNEL(q, k, v, steps * rows, steps * slots, rows, slots, causal, scale, used)
-    return out.reshape(batch, kv_heads, rows, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, rows, heads, dim)
-
-
-FLASH_KERNEL = flash_kernel  # replaceable by a plain-PyTorch emulation in the CPU test
-
-
-def dense_core(backend, query, key, value, mask, position_ids, scale):
-    """Exact attention of ``query`` rows (positions ``position_ids``, no left padding) over the cache. -> (B, L, Hq, D)."""
-    if backend == "flash-varlen":
-        lengths = (position_ids[:, -1] + 1).to(torch.int32)
-        return flash_varlen(query, key, value, lengths, scale, causal=query.shape[2] > 1)
-    if mask is None:
-        # transformers skips the mask only when every key is visible: a single row attends to all
-        # slots; several rows are a prefill from position 0 without padding (the first ``rows`` slots).
-        rows = query.shape[2]
-        keys = slice(None) if rows == 1 else slice(0, rows)
-        out = F.scaled_dot_product_attention(query, key[:, :, keys], value[:, :, keys], is_causal=rows > 1,
-                                             scale=scale, enable_gqa=True)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def dense_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function ``"bench_dense"``: :func:`dense_core` with the backend chosen for the cell."""
-    backend = DENSE_STATE["decode" if query.shape[2] == 1 else "prefill"]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = dense_core(backend, query, key, value, attention_mask, kwargs.get("position_ids"), scale)
-    return out.contiguous(), None
-
-
-def register_dense_attention():
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(DENSE_ATTENTION_NAME, dense_attention_forward)
-    AttentionMaskInterface.register(DENSE_ATTENTION_NAME, sdpa_mask)
-
-
-def reference_attention(query, key, value, valid: int, rows: int):
-    """float32 attention of the last ``rows`` positions ending at ``valid`` (causal), per KV head. -> (B, L, Hq, D)."""
-    batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    out = torch.empty(batch, rows, heads, dim, dtype=torch.float32, device=query.device)
-    positions = torch.arange(valid - rows, valid, device=query.device)
-    allowed = torch.arange(valid, device=query.device)[None, :] <= positions[:, None]       # (L, valid)
-    for b in range(batch):
-        for h in range(kv_heads):
-            k = key[b, h, :valid].float()
-            v = value[b, h, :valid].float()
-            q = query[b, h * group:(h + 1) * group].float()                                  # (G, L, D)
-            scores = (q @ k.T) * dim ** -0.5
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            out[b, :, h * group:(h + 1) * group] = (scores.softmax(-1) @ v).transpose(0, 1)
-    return out
-
-
-def check_dense_backends(cache, config, valid: int, device, dtype, candidates, rows: int = 1, time_it=True):
-    """Run each candidate on layer 0 of the real cache against a float32 reference; time the passing ones.
-
-    Returns a list of dicts: backend, ok, error (relative), reason, attention_s_per_step (all layers).
-    """
-    layer = cache.layers[0]
-    batch = layer.keys.shape[0]
-    slots = layer.keys.shape[2]
-    g = torch.Generator(device=device).manual_seed(5)
-    query = torch.randn(batch, config.num_attention_heads, rows, config.head_dim, generator=g, device=device,
-                        dtype=dtype) * 1.3
-    position_ids = torch.arange(valid - rows, valid, device=device)[None].expand(batch, rows)
-    mask = (torch.arange(slots, device=device)[None, :] <= position_ids[0][:, None])[None, None].expand(
-        batch, 1, rows, slots).contiguous()
-    want = reference_attention(query, layer.keys, layer.values, valid, rows)
-    results = []
-    for backend in candidates:
-        if backend == "sdpa-math" and len(candidates) > 1 and any(r["ok"] for r in results):
-            continue  # the fallback: only needed (and only worth its K/V copies) when nothing else passed
-        entry = {"backend": backend, "rows": rows}
-        try:
-            with sdpa_backend(backend, device):
-                got = dense_core(backend, query, layer.keys, layer.values, mask, position_ids, config.head_dim ** -0.5)
-                err = float((got.float() - want).norm() / want.norm().clamp_min(1e-12))
-                entry["relative_error"] = err
-                entry["ok"] = bool(math.isfinite(err) and err < 2e-2)
-                if entry["ok"] and time_it:
-                    layers = cache.layers
-
-                    def all_layers():
-                        for lay in layers:
-                            dense_core(backend, query, lay.keys, lay.values, mask, position_ids,
-                                       config.head_dim ** -0.5)
-
-                    entry["attention_s_per_step"] = time_replays(all_layers, device)
-        except Exception as error:  # a backend that refuses the shape is reported and skipped
-            entry["ok"] = False
-            entry["reason"] = f"{type(error).__name__}: {str(error)[:300]}"
-        results.append(entry)
-        print(f"    dense check {backend} rows={rows}: "
-              + (f"ok, rel. error {entry['relative_error']:.1e}" if entry.get("ok") else
-                 f"rejected ({entry.get('reason') or 'rel. error %.1e' % entry.get('relative_error', float('nan'))})")
-              + (f", all-layer attention {1e3 * entry['attention_s_per_step']:.3f} ms"
-                 if "attention_s_per_step" in entry else ""), flush=True)
-    return results
-
-
 # ---- cache fill and signatures ------------------------------------------------------------------------
 
 def new_static_cache(model, batch: int, slots: int, device, dtype):
@@ -556,11 +366,6 @@ def attach_signatures(model, base_cache, adapters, valid: int, device, chunk: in
     return cache, t.seconds
 
 
-def rewind(cache, valid: int):
-    for layer in cache.layers:
-        layer.cumulative_length.fill_(valid)
-
-
 # ---- one method ---------------------------------------------------------------------------------------
 
 def hash_config(method: Method, args, slots: int):
@@ -570,144 +375,6 @@ def hash_config(method: Method, args, slots: int):
     if method.full:
         return HashAttentionConfig(budget_tokens=max(slots, args.sink + args.local), **common)
     return HashAttentionConfig(sparsity=method.sparsity, **common)
-
-
-def make_forward(model, mode: str):
-    if mode == "reduce-overhead":
-        return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    if mode == "cudagraphs":
-        return torch.compile(model.forward, backend="cudagraphs", fullgraph=True)
-    if mode == "eager":
-        return torch.compile(model.forward, backend="eager", fullgraph=True)
-    return model.forward
-
-
-def decode(forward, cache, first_token, start: int, steps: int, full_mask, device, mark_steps: bool):
-    """``steps`` greedy steps from position ``start``; returns the (B, steps) tokens tensor (on the device)."""
-    batch = first_token.shape[0]
-    token = first_token
-    positions = torch.full((batch, 1), start, dtype=torch.long, device=device)
-    chosen = []
-    for _ in range(steps):
-        if mark_steps:
-            torch.compiler.cudagraph_mark_step_begin()
-        out = forward(input_ids=token, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        chosen.append(token)
-        positions = positions + 1
-    return torch.cat(chosen, dim=1)
-
-
-def paced_step_ms(forward, cache, first_token, start: int, steps: int, full_mask, device, mark_steps: bool) -> float:
-    """Median GPU milliseconds of one decode step run alone: each step is issued after the GPU went idle
-    (a sync before it) and timed by CUDA events around it. Against the back-to-back ``ms_per_step`` this
-    separates what a step costs by itself from what running steps back to back adds or hides (queued
-    launches, clocks under sustained load)."""
-    times = []
-    for step in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        with Timer(device) as t:
-            decode(forward, cache, first_token, start + step, 1, full_mask, device, mark_steps)
-        times.append(1e3 * t.seconds)
-    return float(statistics.median(times))
-
-
-def compile_counters():
-    from torch._dynamo.utils import counters
-
-    return {
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-        "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
-        "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
-    }
-
-
-KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (namespaces dropped)
-    ("encode", ("mlp_sign", "sign_pack")),  # fused_ / cluster_ / mma_mlp_sign_kernel, pack_signs
-    ("selection", ("resident_select", "histogram_kernel", "compact_kernel", "threshold", "radix_select", "hamming", "topk")),
-    ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "softmax")),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "cublas", "aten::mm", "aten::addmm",
-              "aten::bmm")),
-)
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaMemcpyAsync")
-
-
-def kernel_category(name: str) -> str:
-    # "hashattention::" would match "attention": every kernel of this project lives in that namespace.
-    lowered = name.lower().replace("hashattention::", "")
-    return next((c for c, keys in KERNEL_CATEGORIES if any(k in lowered for k in keys)), "other")
-
-
-def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mask, device, mark: bool,
-                   trace_path: Optional[str] = None) -> dict:
-    """Kernel time per decode step by category (and the top kernels), and host-sync runtime calls per step.
-
-    CUDA: GPU kernels. ``attention`` = attention kernels (FlashAttention / cuDNN / SDPA /
-    ``sparse_attention_kernel``), ``selection`` = HashAttention's top-k kernels, ``encode`` = its
-    signature encoder (a decode-step kernel: fused, cluster or tensor-core; or sign-and-pack after
-    cuBLAS products, which then count under ``gemm`` with the model's). Host syncs exclude the
-    profiler's own when it stops. CPU (smoke
-    tests): the self time of the operators instead of kernels. With ``trace_path``, the Chrome trace is
-    written there and ``timeline`` says where the GPU idled between kernels (``timeline_gaps.summarize``).
-    """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    rewind(cache, valid)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # The profiler synchronizes the device when it stops; an empty profile counts those calls, so
-    # that only the decode steps' own synchronizations are reported.
-    with profile(activities=activities) as empty:
-        pass
-    profiler_syncs = {e.key: e.count for e in empty.key_averages() if e.key in SYNC_CALLS}
-    with profile(activities=activities) as prof:
-        decode(forward, cache, first_token, valid, steps, full_mask, device, mark)
-    if cuda:
-        torch.cuda.synchronize()
-    categories: Dict[str, float] = {}
-    kernels, syncs = [], {}
-    for event in prof.key_averages():
-        if event.key in SYNC_CALLS and event.count > profiler_syncs.get(event.key, 0):
-            syncs[event.key] = (event.count - profiler_syncs.get(event.key, 0)) / steps
-        if cuda:
-            if getattr(event, "device_type", None) != DeviceType.CUDA:
-                continue
-            micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-        else:
-            micros = event.self_cpu_time_total
-        if micros <= 0:
-            continue
-        category = kernel_category(event.key)
-        categories[category] = categories.get(category, 0.0) + micros / steps
-        kernels.append({"kernel": event.key[:160], "category": category, "us_per_step": micros / steps,
-                        "launches_per_step": event.count / steps})
-    kernels.sort(key=lambda k: -k["us_per_step"])
-    total = sum(categories.values())
-    return {
-        "steps": steps, "device": "cuda kernels" if cuda else "cpu operators (self time)",
-        "kernel_us_per_step": total, "category_us_per_step": categories,
-        "attention_and_selection_share_of_kernel_time":
-            (categories.get("attention", 0.0) + categories.get("selection", 0.0)) / total if total else None,
-        "host_sync_calls_per_step": syncs, "launches_per_step": sum(k["launches_per_step"] for k in kernels),
-        "top_kernels": kernels[:40],
-        **({"timeline": trace_timeline(prof, trace_path, steps)} if trace_path else {}),
-    }
-
-
-def trace_timeline(prof, path: str, steps: int) -> dict:
-    """Write the profiler's Chrome trace to ``path`` and summarize the GPU's idle gaps in it."""
-    from timeline_gaps import load_events, render, summarize
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    prof.export_chrome_trace(path)
-    summary = summarize(load_events(path), steps)
-    print("    timeline: " + render(summary).replace("\n", "\n      "), flush=True)
-    return summary
 
 
 def run_method(model, cache, first_token, valid: int, args, device, trace_path: Optional[str] = None):
@@ -778,161 +445,6 @@ def hash_attention_per_step(model, cache, adapters, config, valid: int, device, 
             select_and_attend(runtime, query, layer.keys, layer.values, layer.key_signatures, lengths, starts, scale)
 
     return time_replays(all_layers, device)
-
-
-# ---- results ------------------------------------------------------------------------------------------
-
-def human_n(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
-def environment(args, device) -> dict:
-    import transformers
-
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-        "python": platform.python_version(), **provenance.describe(),
-    }
-
-
-# Environment variables that change what a run measures: the package's timing aids (for example
-# HASHATTENTION_ENCODER), inductor's settings and the CUDA runtime's. Each run records the ones set,
-# so that its rows can be reproduced.
-MEASURED_ENVIRONMENT_PREFIXES = ("HASHATTENTION_", "TORCHINDUCTOR_")
-MEASURED_ENVIRONMENT_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING",
-                              "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
-
-
-def measured_environment() -> Dict[str, str]:
-    """The set variables of MEASURED_ENVIRONMENT_PREFIXES / _NAMES, by name."""
-    return {name: value for name, value in sorted(os.environ.items())
-            if name.startswith(MEASURED_ENVIRONMENT_PREFIXES) or name in MEASURED_ENVIRONMENT_NAMES}
-
-
-def cell_key(row) -> tuple:
-    return (row["B"], row["n"], row["method"])
-
-
-def load_previous(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def write_results(record: dict, json_path: str, md_path: str) -> None:
-    for path, text in ((json_path, json.dumps(record, indent=1)), (md_path, markdown(record))):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
-
-
-def fmt(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def environment_note(run: dict) -> str:
-    """"; environment: `A=1 B=2`" for a run that recorded set variables (runs before they were recorded: "")."""
-    names = run.get("environment") or {}
-    return "; environment: `" + " ".join(f"{k}={v}" for k, v in names.items()) + "`" if names else ""
-
-
-def markdown(record: dict) -> str:
-    rows = sorted(record["rows"], key=lambda r: (r["B"], r["n"], r.get("order", 0)))
-    lines = [
-        "# End-to-end decode throughput: Llama-3.1-8B architecture, random bf16 weights",
-        "",
-        f"- updated: {record['updated_utc']}; device: {record['env']['device']}; torch {record['env']['torch']}, "
-        f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, {provenance.label(record['env'])}",
-        "- commands (each run merges its rows into this file):",
-        *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}, "
-          f"{run['model']}{environment_note(run)})" for run in record["runs"]],
-        "- tokens/s = B x steps / time of `steps` greedy decode steps (CUDA events, one sync at the end); ratio = "
-        "tokens/s over dense's in the same (B, n); attention share = all layers' attention alone "
-        "(CUDA-graph replay on the cell's cache) / ms per step; KV = K+V bytes of n tokens; signatures = the "
-        "method's key-signature bytes of n tokens.",
-        "",
-        "| B | n | method | tokens/s | ms/step | ratio to dense | attention share | KV GB | signatures MB "
-        "| compile s | graph breaks | cudagraph skips | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | - | - | - | - | - | - | - | - | - | "
-                         f"{r['status']}: {r.get('reason', '')[:160]} |")
-            continue
-        share = r.get("attention_share")
-        notes = []
-        if r.get("dense_backend"):
-            notes.append(f"backend {r['dense_backend']}")
-        if r.get("paced_ms_per_step"):
-            notes.append(f"{r['paced_ms_per_step']:.2f} ms a step alone")
-        if r.get("first_divergence_from_dense") is not None:
-            notes.append(f"tokens = dense for {r['first_divergence_from_dense']} steps")
-        if "ran_before_in_process" in r:
-            before = len(r["ran_before_in_process"])
-            notes.append("first GPU work of its process" if not before else
-                         f"{before} GPU job{'s' if before > 1 else ''} before it in its process")
-        lines.append(
-            f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-            f"{fmt(r.get('ratio_to_dense'), '.2f')}{'x' if r.get('ratio_to_dense') else ''} | "
-            f"{fmt(None if share is None else 100 * share, '.0f')}{'%' if share is not None else ''} | "
-            f"{r['kv_bytes'] / 1e9:.3g} | {r['signature_bytes'] / 1e6:.4g} | {fmt(r.get('compile_s'), '.1f')} | "
-            f"{r.get('graph_breaks', '-')} | {r.get('cudagraph_skips', '-')} | {'; '.join(notes)} |")
-    lines += ["", "## Cache fill per (B, n)", "",
-              "| B | n | fill | fill s | prefill s | signature encode s (per-query-head keys) | (per-KV-head keys) |",
-              "|---|---|---|---|---|---|---|"]
-    for f in sorted(record["fills"], key=lambda f: (f["B"], f["n"])):
-        enc = f.get("encode_s", {})
-        lines.append(f"| {f['B']} | {human_n(f['n'])} | {f['fill']} | {fmt(f.get('fill_s'), '.2f')} | "
-                     f"{fmt(f.get('prefill_s'), '.2f')} | {fmt(enc.get('query'), '.3f')} | {fmt(enc.get('kv'), '.3f')} |")
-    profiled = [r for r in rows if r["status"] == "ok" and "category_us_per_step" in r.get("profile", {})]
-    if profiled:
-        lines += ["", "## Profile of extra decode steps (torch.profiler; kernel µs per step)", "",
-                  "| B | n | method | all kernels | attention | selection | encode | gemm | other | host syncs per step "
-                  "| kernels per graph replay | idle µs inside a replay |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in profiled:
-            p, c = r["profile"], r["profile"]["category_us_per_step"]
-            replays = (p.get("timeline") or {}).get("graph_replays") or {}  # with --trace-dir
-            syncs = ", ".join(f"{k} {v:g}" for k, v in p["host_sync_calls_per_step"].items()) or "none"
-            lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {p['kernel_us_per_step']:.0f} | "
-                         + " | ".join(f"{c.get(k, 0.0):.0f}" for k in ("attention", "selection", "encode", "gemm", "other"))
-                         + f" | {syncs} | {fmt(replays.get('kernels'), 'g')} | {fmt(replays.get('idle_inside_us'), '.0f')} |")
-    lines += ["", "## Targets (issue 7)", ""]
-    lines += [target_line(record, *t) for t in TARGETS]
-    return "\n".join(lines)
-
-
-def comparable_key(row: dict) -> tuple:
-    """Rows with the same key ran the same cell setup, so their tokens/s and tokens compare."""
-    return row["B"], row["n"], row.get("fill"), row.get("steps")
-
-
-def link_to_later_dense(rows: List[dict], dense: dict) -> None:
-    """Give the rows of ``dense``'s cell that ran before it (an earlier process of the day, one method per
-    process) their ratio and token agreement with it, as a dense row run first would have."""
-    for r in rows:
-        if (r is dense or r["status"] != "ok" or r["method"] == "dense" or r.get("ratio_to_dense") is not None
-                or comparable_key(r) != comparable_key(dense)):
-            continue
-        r["ratio_to_dense"] = r["tokens_per_s"] / dense["tokens_per_s"]
-        r["first_divergence_from_dense"] = first_divergence(r["generated_tokens"], dense["generated_tokens"])
-        r["dense_from_later_run"] = True
-
-
-def target_line(record, batch, n, method, target) -> str:
-    row = next((r for r in record["rows"] if (r["B"], r["n"], r["method"]) == (batch, n, method)), None)
-    label = f"B = {batch}, {human_n(n)}, {method}: target >= {target}x tokens/s over dense"
-    if row is None or row["status"] != "ok" or row.get("ratio_to_dense") is None:
-        return f"- {label}: **not measured**" + (f" ({row['status']}: {row.get('reason', '')})" if row else "")
-    ratio = row["ratio_to_dense"]
-    if ratio >= target:
-        return f"- {label}: **met**, {ratio:.2f}x ({ratio - target:+.2f}x)"
-    return f"- {label}: **missed**, {ratio:.2f}x, short by {target - ratio:.2f}x ({100 * (1 - ratio / target):.0f}%)"
 
 
 # ---- main loop ----------------------------------------------------------------------------------------
@@ -1254,17 +766,6 @@ class Benchmark:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     return Benchmark(args, argv).run()
-
-
-def first_divergence(tokens, reference) -> Optional[int]:
-    """Number of leading steps where every sequence's token equals the reference's."""
-    if reference is None or len(tokens) != len(reference):
-        return None
-    steps = len(tokens[0])
-    for step in range(steps):
-        if any(row[step] != ref[step] for row, ref in zip(tokens, reference)):
-            return step
-    return steps
 
 
 if __name__ == "__main__":

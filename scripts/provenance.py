@@ -2,8 +2,8 @@
 
 The GPU machine runs on a copy of the working tree whose git metadata can lag the files (a run there
 recorded commit 2b46a9f while it ran c7bd308's files), so results also record ``source_sha256``, a
-digest of the files that decide what runs: ``setup.py`` and the ``.py`` / ``.cpp`` / ``.h`` / ``.cu``
-/ ``.cuh`` files under ``csrc/`` and ``hashattention/``. The same digest of any commit tells which one
+digest of the files that decide what runs and how it is measured: ``setup.py`` and the ``.py`` /
+``.cpp`` / ``.h`` / ``.cu`` / ``.cuh`` files under ``csrc/``, ``hashattention/`` and ``scripts/``. The same digest of any commit tells which one
 a result came from:
 
     python scripts/provenance.py                # this working tree
@@ -19,7 +19,7 @@ import subprocess
 from typing import Dict, Iterable, Optional, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE_DIRS = ("csrc", "hashattention")
+SOURCE_DIRS = ("csrc", "hashattention", "scripts")
 SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu", ".cuh")
 EXTRA_FILES = ("setup.py",)
 

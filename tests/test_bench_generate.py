@@ -18,6 +18,8 @@ spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
 bench = importlib.util.module_from_spec(spec)
 sys.modules["bench_generate"] = bench  # dataclasses look their module up by name
 spec.loader.exec_module(bench)
+import generate_dense as dense  # noqa: E402  (scripts/ is on sys.path once bench_generate is loaded)
+import generate_profile as profile  # noqa: E402
 
 TINY = ["--tiny", "--device", "cpu", "--compile", "none", "--sink", "4", "--local", "4"]
 
@@ -160,35 +162,35 @@ def emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
 @pytest.mark.parametrize("rows", [1, 5])
 def test_flash_varlen_reads_the_static_cache_in_place(monkeypatch, rows):
     """The (sequence, KV head) packing of the HF cache and the output unpacking give exact GQA attention."""
-    monkeypatch.setattr(bench, "FLASH_KERNEL", emulated_flash)
+    monkeypatch.setattr(dense, "FLASH_KERNEL", emulated_flash)
     g = torch.Generator().manual_seed(3)
     batch, heads, kv_heads, slots, dim = 2, 8, 2, 40, 16
     key = torch.randn(batch, kv_heads, slots, dim, generator=g)
     value = torch.randn(batch, kv_heads, slots, dim, generator=g)
     query = torch.randn(batch, heads, rows, dim, generator=g)
     for lengths in ([31, 31], [23, 37]):
-        got = bench.flash_varlen(query, key, value, torch.tensor(lengths, dtype=torch.int32), dim ** -0.5,
+        got = dense.flash_varlen(query, key, value, torch.tensor(lengths, dtype=torch.int32), dim ** -0.5,
                                  causal=rows > 1)
         for b, valid in enumerate(lengths):
-            want = bench.reference_attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], valid, rows)
+            want = dense.reference_attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], valid, rows)
             torch.testing.assert_close(got[b:b + 1], want, atol=1e-5, rtol=1e-5)
     # dense_core takes the lengths from the decode rows' positions
     positions = torch.arange(31 - rows, 31)[None].expand(batch, rows)
-    got = bench.dense_core("flash-varlen", query, key, value, None, positions, dim ** -0.5)
-    torch.testing.assert_close(got, bench.reference_attention(query, key, value, 31, rows), atol=1e-5, rtol=1e-5)
+    got = dense.dense_core("flash-varlen", query, key, value, None, positions, dim ** -0.5)
+    torch.testing.assert_close(got, dense.reference_attention(query, key, value, 31, rows), atol=1e-5, rtol=1e-5)
 
 
 def test_method_names_and_memory_arithmetic():
     method = bench.parse_method("hash-kv_group-16")
     assert (method.kind, method.selection, method.sparsity, method.family) == ("hash", "kv_group", 16.0, "kv")
     assert bench.parse_method("hash-query_head-full").full
-    assert bench.kernel_category("void fast_histogram_kernel<4, 1>(SelectionParams, ...)") == "selection"
-    assert bench.kernel_category("void sparse_attention_kernel<__nv_bfloat16, 128, 8>(AttentionParams)") == "attention"
-    assert bench.kernel_category("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
-    assert bench.kernel_category("nvjet_hsh_128x64_64x4_1x2_h_bz_splitK_TNT") == "gemm"
-    assert bench.kernel_category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+    assert profile.kernel_category("void fast_histogram_kernel<4, 1>(SelectionParams, ...)") == "selection"
+    assert profile.kernel_category("void sparse_attention_kernel<__nv_bfloat16, 128, 8>(AttentionParams)") == "attention"
+    assert profile.kernel_category("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert profile.kernel_category("nvjet_hsh_128x64_64x4_1x2_h_bz_splitK_TNT") == "gemm"
+    assert profile.kernel_category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
     for encoder in ("fused_mlp_sign_kernel", "cluster_mlp_sign_kernel", "mma_mlp_sign_kernel"):
-        assert bench.kernel_category(f"void hashattention::cuda::(anonymous namespace)::{encoder}(Launch)") == "encode"
+        assert profile.kernel_category(f"void hashattention::cuda::(anonymous namespace)::{encoder}(Launch)") == "encode"
     for bad in ("hash-query_head-1", "hash-rows-16", "sparse", "hash-kv_group-x"):
         with pytest.raises(ValueError, match="--methods"):
             bench.parse_method(bad)
@@ -219,7 +221,7 @@ def traceable_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used_k):
 def test_decode_traces_as_one_graph(tmp_path, monkeypatch):
     """--compile eager: torch.compile(fullgraph=True) of the decode step (dense via the FlashAttention path, and
     HashAttention) records no graph break, and both decode the same tokens."""
-    monkeypatch.setattr(bench, "FLASH_KERNEL", traceable_flash)
+    monkeypatch.setattr(dense, "FLASH_KERNEL", traceable_flash)
     monkeypatch.setattr(bench, "DENSE_CANDIDATES_CUDA", ("flash-varlen",))
     common = [*TINY, "--contexts", "64", "--batches", "2", "--steps", "3", "--profile-steps", "0",
               "--no-attention-share", "--methods", "dense,hash-query_head-full"]
