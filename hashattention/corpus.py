@@ -29,7 +29,8 @@ def corpus_files(corpus: str) -> List[str]:
     Raises a ValueError when ``corpus`` is not a directory or holds no such file.
     """
     if not os.path.isdir(corpus):
-        raise ValueError(f"corpus must be a directory of .txt files, got {corpus!r}")
+        hint = " (the default, which exists only in a clone: pass --corpus DIR)" if corpus == default_corpus() else ""
+        raise ValueError(f"corpus must be a directory of .txt files, got {corpus!r}{hint}")
     found = []
     for root, _, names in os.walk(corpus):
         for name in names:

@@ -57,3 +57,10 @@ def test_bad_corpus_raises(tmp_path, bad):
         corpus.corpus_files(str(path))
     with pytest.raises(ValueError, match="modulus"):
         corpus.is_held_out("a.txt", 0)
+
+
+def test_a_missing_default_corpus_says_how_to_pass_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpus, "REPO_ROOT", str(tmp_path / "site-packages"))
+    monkeypatch.setattr(corpus, "SAMPLE_CORPUS", str(tmp_path / "site-packages" / "train" / "sample_corpus"))
+    with pytest.raises(ValueError, match="--corpus DIR"):
+        corpus.corpus_files(corpus.default_corpus())
