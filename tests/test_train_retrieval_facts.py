@@ -87,3 +87,29 @@ def test_repeat_style_is_the_default_and_a_bad_style_is_named():
     assert TrainConfig(sequence_tokens=512, queries_per_sequence=16, work_dir="unused").retrieval_fact_style == "repeat"
     with pytest.raises(ValueError, match="retrieval_fact_style"):
         TrainConfig(sequence_tokens=512, queries_per_sequence=16, retrieval_fact_style="echo", work_dir="unused")
+
+
+def test_multivalue_style_states_two_codes_apart_and_restates_them_together():
+    tokenizer = DecodingByteTokenizer(256)
+    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5, retrieval_facts=3,
+                         retrieval_fact_style="multivalue", work_dir="unused")
+    prose = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
+    sequence = torch.tensor(tokenizer.encode(prose), dtype=torch.long)
+    out = add_retrieval_facts(config, tokenizer, sequence, index=1)
+    tokens = out.tolist()
+    first_query = config.first_query_position
+    text = tokenizer.decode(tokens)
+    restatements = [s.split(".")[0] for s in text.split(" Note: the access codes of the ")[1:]]
+    assert len(restatements) == 3
+    for restatement in restatements:  # "<word> vault are <d> and <e>"
+        word, codes = restatement.split(" vault are ")
+        first, second = codes.split(" and ")
+        assert first != second and word in prose
+        listed = find_all(tokens, tokenizer.encode(f" Note: the access codes of the {word} vault are {first} and {second}."))
+        assert len(listed) == 1 and listed[0] >= first_query
+        for code in (first, second):
+            stated = find_all(tokens, tokenizer.encode(f" Note: the access code of the {word} vault is {code}."))
+            assert len(stated) == 1 and stated[0] < first_query, (word, code)
+    torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=1), out)  # seeded
+    with pytest.raises(ValueError, match="retrieval_fact_style"):
+        TrainConfig(retrieval_fact_style="multi")

@@ -48,7 +48,8 @@ class TrainConfig:
     retrieval_facts: int = 0
     # "repeat": the restatement repeats the statement word for word; "paraphrase": it says the same
     # fact in other words (one of several statement / paraphrase pairs per fact), so that the labels
-    # teach retrieval across wording, as a question about a needle needs.
+    # teach retrieval across wording, as a question about a needle needs; "multivalue": two codes
+    # per word, stated apart and restated together (a needle with several values).
     retrieval_fact_style: str = "repeat"
     shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
     # labels
@@ -110,7 +111,7 @@ class TrainConfig:
         choices = {"target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
                    "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
                    "save_dtype": ("float32", "bfloat16", "float16"),
-                   "retrieval_fact_style": ("repeat", "paraphrase")}
+                   "retrieval_fact_style": ("repeat", "paraphrase", "multivalue")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -179,7 +180,8 @@ HELP = {
                            "adapters that work beyond sequence_tokens)",
     "retrieval_facts": "facts written early into each training sequence and restated in its query window "
                        "(retrieval-shaped label rows; 0 = prose only)",
-    "retrieval_fact_style": '"repeat" (restated word for word) or "paraphrase" (restated in other words)',
+    "retrieval_fact_style": '"repeat" (restated word for word), "paraphrase" (restated in other words) or '
+                            '"multivalue" (two codes per word, restated together)',
     "top_k": "labels: the true top-k keys by the target score",
     "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
     "local_tokens": "local window (latest tokens), excluded from labels and always selected",

@@ -16,7 +16,9 @@ the same word and digits in other words, as a question names a needle in words o
 query rows must find the earlier digits without a verbatim match. The templates differ from the
 evaluation tasks' ("special magic number") on purpose, the words come from the training documents'
 own text, and validation sequences are left as they are, so held-out recall stays comparable with
-adapters fitted on prose. Seeded by (seed, index): the same config writes the same sequences.
+adapters fitted on prose. With ``retrieval_fact_style = "multivalue"`` each word gets two codes,
+stated apart before the query window, and one restatement inside it lists both (the shape of a
+needle with several values). Seeded by (seed, index): the same config writes the same sequences.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
         pairs = [rng.choice(PARAPHRASES) for _ in chosen]
         facts = [a.format(w=w, d=d) for (a, _), w, d in zip(pairs, chosen, digits)]
         restated = [b.format(w=w, d=d) for (_, b), w, d in zip(pairs, chosen, digits)]
+    elif config.retrieval_fact_style == "multivalue":
+        # Two codes per vault, stated apart; the restatement lists both, so the rows of each code
+        # attend back to its own earlier statement (a multi-value needle's answer rows).
+        others = [str(rng.randrange(10**6, 10**7)) for _ in chosen]
+        facts = [_statement(w, d) for w, d in zip(chosen, digits)] + [_statement(w, e) for w, e in zip(chosen, others)]
+        rng.shuffle(facts)
+        restated = [f" Note: the access codes of the {w} vault are {d} and {e}." for w, d, e in zip(chosen, digits, others)]
     else:
         facts = restated = [_statement(w, d) for w, d in zip(chosen, digits)]
     encoded = [tokenizer.encode(fact, add_special_tokens=False) for fact in facts]
@@ -73,7 +82,7 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
     first_query = config.first_query_position
     out = sequence.clone()
     _write_spread(out, encoded, 1, first_query, rng, "before the query window")
-    order = list(range(count))
+    order = list(range(len(encoded_again)))
     rng.shuffle(order)
     _write_spread(out, [encoded_again[i] for i in order], first_query, config.sequence_tokens, rng,
                   "inside the query window")
