@@ -18,13 +18,20 @@ def find_all(sequence, snippet):
     return [i for i in range(len(sequence) - n + 1) if sequence[i:i + n] == snippet]
 
 
-def test_each_fact_is_stated_before_the_query_window_and_restated_inside_it():
+PROSE = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
+
+
+def facts_on_prose(facts, index, style="repeat"):
+    """``(config, tokenizer, sequence, out)``: ``facts`` facts of ``style`` written over 2048 tokens of prose."""
     tokenizer = DecodingByteTokenizer(256)
-    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5, retrieval_facts=4,
-                         work_dir="unused")
-    prose = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
-    sequence = torch.tensor(tokenizer.encode(prose), dtype=torch.long)
-    out = add_retrieval_facts(config, tokenizer, sequence, index=3)
+    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5,
+                         retrieval_facts=facts, retrieval_fact_style=style, work_dir="unused")
+    sequence = torch.tensor(tokenizer.encode(PROSE), dtype=torch.long)
+    return config, tokenizer, sequence, add_retrieval_facts(config, tokenizer, sequence, index=index)
+
+
+def test_each_fact_is_stated_before_the_query_window_and_restated_inside_it():
+    config, tokenizer, sequence, out = facts_on_prose(4, index=3)
     assert out.shape == sequence.shape and out.dtype == sequence.dtype
     text = tokenizer.decode(out.tolist())
     statements = [s.strip() for s in text.split(" Note: ")[1:]]
@@ -35,7 +42,7 @@ def test_each_fact_is_stated_before_the_query_window_and_restated_inside_it():
         places = find_all(out.tolist(), ids)
         assert len(places) == 2, fact
         assert places[0] + len(ids) <= first_query <= places[1], (fact, places)
-        assert fact.split(" vault is ")[0].split()[-1] in prose  # the word comes from the sequence's text
+        assert fact.split(" vault is ")[0].split()[-1] in PROSE  # the word comes from the sequence's text
     changed = (out != sequence).nonzero().flatten()
     assert changed.numel() > 0 and changed.numel() <= 8 * 60  # only the written statements differ
     torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=3), out)  # seeded
@@ -57,12 +64,7 @@ def test_no_facts_leaves_the_sequence_and_too_many_is_an_error():
 def test_paraphrase_style_restates_each_fact_in_other_words():
     from train.retrieval_facts import PARAPHRASES
 
-    tokenizer = DecodingByteTokenizer(256)
-    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5, retrieval_facts=4,
-                         retrieval_fact_style="paraphrase", work_dir="unused")
-    prose = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
-    sequence = torch.tensor(tokenizer.encode(prose), dtype=torch.long)
-    out = add_retrieval_facts(config, tokenizer, sequence, index=5)
+    config, tokenizer, sequence, out = facts_on_prose(4, index=5, style="paraphrase")
     first_query = config.first_query_position
     before, inside = tokenizer.decode(out[:first_query].tolist()), tokenizer.decode(out[first_query:].tolist())
     found = 0
@@ -90,12 +92,7 @@ def test_repeat_style_is_the_default_and_a_bad_style_is_named():
 
 
 def test_multivalue_style_states_two_codes_apart_and_restates_them_together():
-    tokenizer = DecodingByteTokenizer(256)
-    config = TrainConfig(sequence_tokens=2048, queries_per_sequence=64, query_start_fraction=0.5, retrieval_facts=3,
-                         retrieval_fact_style="multivalue", work_dir="unused")
-    prose = ("the harbor lights were burning over the meadow while quartz and amber glittered " * 40)[:2048]
-    sequence = torch.tensor(tokenizer.encode(prose), dtype=torch.long)
-    out = add_retrieval_facts(config, tokenizer, sequence, index=1)
+    config, tokenizer, sequence, out = facts_on_prose(3, index=1, style="multivalue")
     tokens = out.tolist()
     first_query = config.first_query_position
     text = tokenizer.decode(tokens)
@@ -104,7 +101,7 @@ def test_multivalue_style_states_two_codes_apart_and_restates_them_together():
     for restatement in restatements:  # "<word> vault are <d> and <e>"
         word, codes = restatement.split(" vault are ")
         first, second = codes.split(" and ")
-        assert first != second and word in prose
+        assert first != second and word in PROSE
         listed = find_all(tokens, tokenizer.encode(f" Note: the access codes of the {word} vault are {first} and {second}."))
         assert len(listed) == 1 and listed[0] >= first_query
         for code in (first, second):
