@@ -31,6 +31,12 @@ decode row per sequence at position n; dense: the chosen backend; HashAttention:
 signatures + ``hamming_topk`` + ``sparse_attention``, i.e. ``attention.select_and_attend``),
 captured in one CUDA graph and timed by replay, divided by the measured step time.
 
+What ran earlier in a process changes its CUDA-graph replays: any cuDNN call (the dense backend
+checks, a cuDNN dense row) or a cold compile leaves ~0.3 ms more GPU idle time per B = 4 / 128K
+step (benchmarks/results/probe_process_state_20261204_s26.md). ``--process-per-method`` (with
+``--warm-compile``) therefore times every method in a process of its own, as a user serving that one
+model runs it (generate_processes.py); every row records what ran before it in its process.
+
 Results go to ``<out>/bench_generate_<YYYYMMDD>.json`` and ``.md``, rewritten after every method
 (a run killed by a time limit still leaves them); rows of an earlier run of the same day are kept
 unless re-measured (``--fresh`` starts over). Cells that do not fit in free GPU memory, or that
@@ -39,9 +45,11 @@ would overrun ``--time-budget-s``, are recorded as skipped with the reason.
 Layout: this file holds the arguments, the model, the cache fill and the grid loop;
 ``generate_dense.py`` the dense backends and their float32 check, ``generate_timing.py`` the timers
 and the decode loop, ``generate_profile.py`` the profiler breakdown, ``generate_report.py`` the JSON
-and Markdown results.
+and Markdown results, ``generate_processes.py`` the one-process-per-method runs.
 
     python scripts/bench_generate.py --contexts 131072 --batches 1,4 --out benchmarks/results
+    python scripts/bench_generate.py --contexts 131072 --batches 4 --methods dense,hash-query_head-32 \\
+        --process-per-method --warm-compile --out benchmarks/results
     python scripts/bench_generate.py --tiny --device cpu --compile none --contexts 96 --batches 1,2 --steps 4 \\
         --sink 4 --local 4 --methods dense,hash-query_head-full,hash-query_head-32 --out /tmp/bg
 """
@@ -84,6 +92,7 @@ from generate_report import (  # noqa: E402
     link_to_later_dense,
     load_previous,
     measured_environment,
+    results_json_path,
     target_line,
     write_results,
 )
@@ -113,7 +122,8 @@ def int_list(text: str) -> List[int]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # allow_abbrev=False: --process-per-method passes the arguments on to child processes by their full names.
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--contexts", type=int_list, default=[32768, 65536, 131072], help="n, comma-separated")
     parser.add_argument("--batches", type=int_list, default=[1, 4], help="B, comma-separated")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per method")
@@ -154,7 +164,15 @@ def parse_args(argv=None):
                         help="also write each method's profiled steps as a Chrome trace (trace_B<b>_n<n>_<method>"
                              ".json.gz) into this folder and store where the GPU idles (scripts/timeline_gaps.py)")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
+    parser.add_argument("--process-per-method", action="store_true",
+                        help="time every method in a Python process of its own, merged into the same --out files "
+                             "(scripts/generate_processes.py says why)")
+    parser.add_argument("--warm-compile", action="store_true",
+                        help="with --process-per-method: first run each method once, untimed, in its own process, "
+                             "so that the timed process compiles from a warm cache")
     args = parser.parse_args(argv)
+    if args.warm_compile and not args.process_per_method:
+        parser.error("--warm-compile needs --process-per-method")
     try:
         args.method_specs = [parse_method(name) for name in args.methods.split(",") if name.strip()]
     except ValueError as error:
@@ -487,7 +505,7 @@ class Benchmark:
 
         today = datetime.datetime.now(datetime.timezone.utc)
         os.makedirs(args.out, exist_ok=True)
-        self.json_path = os.path.join(args.out, f"bench_generate_{today:%Y%m%d}.json")
+        self.json_path = results_json_path(args.out)
         self.md_path = self.json_path[:-5] + ".md"
         self.record = {} if args.fresh else load_previous(self.json_path)
         for key in ("rows", "fills", "runs", "dense_checks"):
@@ -519,6 +537,9 @@ class Benchmark:
         # was measured ~0.3 ms faster where a warm-cached compile was a process's first GPU work
         # (bench_generate_20261203_s21_states.md), so every row says what ran before it.
         self.ran_before: List[str] = []
+        # Whether this process has used cuDNN (a dense check or row through sdpa-cudnn): that alone slows
+        # later CUDA-graph replays (probe_process_state_20261204_s26.md), so every row records it.
+        self.cudnn_used = False
         self.method_seconds: List[float] = []
         self.fill_rate = 0.0  # seconds per (token x sequence) of fill + encode + check, from the previous cell
 
@@ -544,7 +565,12 @@ class Benchmark:
     def base_row(self, batch: int, n: int, method: Method) -> dict:
         a = self.args
         return {"B": batch, "n": n, "method": method.name, "order": self.order[method.name], "fill": a.fill,
-                "compile": a.compile, "steps": a.steps, "ran_before_in_process": list(self.ran_before)}
+                "compile": a.compile, "steps": a.steps, "ran_before_in_process": list(self.ran_before),
+                "cudnn_before_in_process": self.cudnn_used}
+
+    def note_backends_run(self, checks) -> None:
+        """Records whether any of these dense checks ran cuDNN."""
+        self.cudnn_used |= any(c["backend"] == "sdpa-cudnn" for c in checks)
 
     def skip_cell(self, batch: int, n: int, reason: str) -> None:
         print(f"[B={batch} n={n}] skipped: {reason}", flush=True)
@@ -569,7 +595,8 @@ class Benchmark:
         fill_random(probe, 1024, self.key_std, self.args.seed)
         candidates = DENSE_CANDIDATES_CUDA if self.device.type == "cuda" else ("sdpa-math",)
         checks = check_dense_backends(probe, self.config, 1000, self.device, self.dtype, candidates, rows=16,
-                                      time_it=False)
+                                      time_it=False, first_passing=True)
+        self.note_backends_run(checks)
         DENSE_STATE["prefill"] = next((c["backend"] for c in checks if c["ok"]), "sdpa-math")
         print(f"prefill attention backend: {DENSE_STATE['prefill']}", flush=True)
 
@@ -642,6 +669,7 @@ class Benchmark:
             cell.dense_checks = check_dense_backends(cell.base, self.config, cell.n, device, dtype, candidates,
                                                      time_it=time_it)
             self.ran_before.append(f"dense checks B={cell.batch} n={human_n(cell.n)}")
+            self.note_backends_run(cell.dense_checks)
             passing = sorted((c for c in cell.dense_checks if c["ok"]), key=lambda c: c.get("attention_s_per_step", 0))
             cell.dense_order = [c["backend"] for c in passing]
             self.save(check={"B": cell.batch, "n": cell.n, "checks": cell.dense_checks})
@@ -765,6 +793,15 @@ class Benchmark:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.process_per_method:
+        from generate_processes import run_in_processes
+
+        failures = run_in_processes(args, sys.argv[1:] if argv is None else list(argv))
+        json_path = results_json_path(args.out)
+        record = load_previous(json_path)
+        print(f"process per method: {failures} failed; results in {json_path}", flush=True)
+        print("\n".join(target_line(record, *t) for t in TARGETS) if record else "no results written", flush=True)
+        return record
     return Benchmark(args, argv).run()
 
 

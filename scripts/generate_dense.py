@@ -136,9 +136,12 @@ def reference_attention(query, key, value, valid: int, rows: int):
     return out
 
 
-def check_dense_backends(cache, config, valid: int, device, dtype, candidates, rows: int = 1, time_it=True):
+def check_dense_backends(cache, config, valid: int, device, dtype, candidates, rows: int = 1, time_it=True,
+                         first_passing=False):
     """Run each candidate on layer 0 of the real cache against a float32 reference; time the passing ones.
 
+    ``first_passing``: stop at the first candidate that passes (the others are never run, so a process
+    that needs no cuDNN does not initialize it: see generate_processes.py).
     Returns a list of dicts: backend, ok, error (relative), reason, attention_s_per_step (all layers).
     """
     layer = cache.layers[0]
@@ -153,6 +156,8 @@ def check_dense_backends(cache, config, valid: int, device, dtype, candidates, r
     want = reference_attention(query, layer.keys, layer.values, valid, rows)
     results = []
     for backend in candidates:
+        if first_passing and any(r["ok"] for r in results):
+            break
         if backend == "sdpa-math" and len(candidates) > 1 and any(r["ok"] for r in results):
             continue  # the fallback: only needed (and only worth its K/V copies) when nothing else passed
         entry = {"backend": backend, "rows": rows}

@@ -4,6 +4,7 @@ a day, and its Markdown table with the issue's targets.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -49,6 +50,12 @@ def measured_environment() -> Dict[str, str]:
 
 def cell_key(row) -> tuple:
     return (row["B"], row["n"], row["method"])
+
+
+def results_json_path(out: str) -> str:
+    """``<out>/bench_generate_<YYYYMMDD>.json`` for today (UTC); the Markdown file is beside it."""
+    today = datetime.datetime.now(datetime.timezone.utc)
+    return os.path.join(out, f"bench_generate_{today:%Y%m%d}.json")
 
 
 def load_previous(path: str) -> dict:
@@ -113,6 +120,8 @@ def markdown(record: dict) -> str:
             before = len(r["ran_before_in_process"])
             notes.append("first GPU work of its process" if not before else
                          f"{before} GPU job{'s' if before > 1 else ''} before it in its process")
+        if r.get("cudnn_before_in_process"):
+            notes.append("cuDNN used before it in its process")
         lines.append(
             f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
             f"{fmt(r.get('ratio_to_dense'), '.2f')}{'x' if r.get('ratio_to_dense') else ''} | "

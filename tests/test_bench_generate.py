@@ -50,6 +50,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
         assert row["status"] == "ok", (key, row.get("reason"))
         assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, key
         assert row["ms_per_step"] > 0 and row["graph_breaks"] == 0
+        assert row["cudnn_before_in_process"] is False  # the CPU checks run sdpa-math only
         assert math.isfinite(row["paced_ms_per_step"]) and row["paced_ms_per_step"] > 0, key
         tokens = torch.tensor(row["generated_tokens"])
         assert tokens.shape == (key[0], 4)
@@ -235,3 +236,52 @@ def test_decode_traces_as_one_graph(tmp_path, monkeypatch):
         assert row["graph_breaks"] == 0 and row["unique_graphs"] == 1, row
     assert traced_rows["dense"]["dense_backend"] == "flash-varlen"
     assert traced_rows["hash-query_head-full"]["generated_tokens"] == traced_rows["dense"]["generated_tokens"]
+
+
+def test_process_per_method(tmp_path):
+    """Each method in a child process of its own (after an untimed compile warm-up), rows merged into one file."""
+    command = [sys.executable, SCRIPT, *TINY, "--compile", "eager", "--contexts", "64", "--batches", "1", "--steps", "3",
+               "--profile-steps", "0", "--paced-steps", "0", "--methods", "hash-query_head-32,dense", "--out",
+               str(tmp_path), "--fresh", "--process-per-method", "--warm-compile"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("compile-cache warm-up") == 2
+    record, _ = load_record(tmp_path)
+    assert len(record["runs"]) == 2  # the warm-up runs wrote elsewhere
+    # one child per method, in the order given, each told its method last (argparse keeps the last --methods)
+    assert [run["command"].split("--methods ")[-1].split()[0] for run in record["runs"]] == [
+        "hash-query_head-32", "dense"]
+    rows = {r["method"]: r for r in record["rows"]}
+    assert set(rows) == {"hash-query_head-32", "dense"}
+    sparse, dense_row = rows["hash-query_head-32"], rows["dense"]
+    assert sparse["status"] == dense_row["status"] == "ok"
+    assert sparse["ran_before_in_process"] == [] and not sparse["cudnn_before_in_process"]
+    assert dense_row["ran_before_in_process"] == ["dense checks B=1 n=64"]
+    assert sparse["dense_from_later_run"]  # its ratio came when the dense process merged its row
+    assert sparse["ratio_to_dense"] == pytest.approx(sparse["tokens_per_s"] / dense_row["tokens_per_s"])
+
+
+def test_process_per_method_arguments():
+    import generate_processes
+
+    argv = ["--tiny", "--fresh", "--process-per-method", "--warm-compile", "--methods", "dense", "--out", "x"]
+    assert generate_processes.child_argv(argv) == ["--tiny", "--methods", "dense", "--out", "x"]
+    with pytest.raises(SystemExit):  # only meaningful with --process-per-method
+        bench.parse_args(["--warm-compile"])
+    with pytest.raises(SystemExit):  # no abbreviations: the children get the options by their full names
+        bench.parse_args(["--process-per"])
+
+
+def test_dense_checks_stop_at_first_passing_backend():
+    """The prefill's backend check stops at the first backend that passes, so later candidates (cuDNN) never run."""
+    args = bench.parse_args(TINY)
+    config = bench.model_config(args, 64)
+    model = bench.build_model(config, torch.device("cpu"), torch.float32)
+    cache = bench.new_static_cache(model, 1, 64, torch.device("cpu"), torch.float32)
+    bench.fill_random(cache, 48, 0.5, 0)
+    candidates = ("sdpa-math", "sdpa-efficient")
+    every = dense.check_dense_backends(cache, config, 40, torch.device("cpu"), torch.float32, candidates, time_it=False)
+    first = dense.check_dense_backends(cache, config, 40, torch.device("cpu"), torch.float32, candidates, time_it=False,
+                                       first_passing=True)
+    assert [c["backend"] for c in every] == list(candidates)
+    assert [c["backend"] for c in first] == ["sdpa-math"] and first[0]["ok"]

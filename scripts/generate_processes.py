@@ -1,0 +1,67 @@
+"""bench_generate.py --process-per-method: every method timed in a Python process of its own.
+
+Why: what ran earlier in a process changes how fast its CUDA-graph replays run. On an H200 (torch
+2.11, CUDA 13.0) a B = 4 / 128K per-query-head decode step took 8.56-8.58 ms in processes that never
+used cuDNN and 8.86 ms in processes where one cuDNN call (SDPA through cuDNN, or a convolution) or a
+cold inductor compile came first: the same kernels, with ~0.3 ms more GPU idle time between graph
+nodes (benchmarks/results/probe_process_state_20261204_s26.md). The dense rows need cuDNN (its SDPA
+backend is the fastest that passes the check), HashAttention's decode does not, so in one shared
+process the dense checks slow every later HashAttention row. One process per method measures each
+method as a user running only that model gets it; ``--warm-compile`` first runs each method once,
+untimed and in its own process, so that the timed process finds a warm compile cache (a server's
+usual state after its first start).
+
+The timed processes merge their rows into the same ``--out`` files, in the order of ``--methods``;
+rows of a method measured before dense get their ratio when the dense row arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_generate.py")
+# Options of the parent only: the children get --methods, --out and --fresh from it.
+PARENT_FLAGS = ("--process-per-method", "--warm-compile", "--fresh")
+
+
+def child_argv(argv: List[str]) -> List[str]:
+    """The parent's arguments without its own flags (later --methods / --out options override the rest)."""
+    return [word for word in argv if word not in PARENT_FLAGS]
+
+
+def run_child(arguments: List[str], label: str) -> int:
+    command = [sys.executable, SCRIPT, *arguments]
+    print(f"[process per method] {label}: {' '.join(command[1:])}", flush=True)
+    return subprocess.call(command)
+
+
+def run_in_processes(args, argv: List[str]) -> int:
+    """Runs every method of ``args`` in its own child process; returns how many children failed."""
+    started = time.monotonic()
+    base = child_argv(list(argv))
+    failures = 0
+    warm_out = tempfile.mkdtemp(prefix="bench_generate_warm_") if args.warm_compile else None
+    for index, method in enumerate(args.method_specs):
+        remaining = args.time_budget_s - (time.monotonic() - started)
+        if remaining <= 0:
+            print(f"[process per method] time budget spent before {method.name}", flush=True)
+            break
+        if warm_out is not None and args.compile != "none":  # "none" compiles nothing
+            code = run_child([*base, "--methods", method.name, "--out", warm_out, "--fresh", "--profile-steps", "0",
+                              "--paced-steps", "0", "--no-attention-share", "--trace-dir", "",
+                              "--time-budget-s", f"{remaining:.0f}"], f"{method.name}, compile-cache warm-up")
+            if code != 0:
+                print(f"[process per method] warm-up of {method.name} exited with {code}", flush=True)
+            remaining = args.time_budget_s - (time.monotonic() - started)
+        fresh = ["--fresh"] if args.fresh and index == 0 else []
+        code = run_child([*base, *fresh, "--methods", method.name, "--time-budget-s", f"{max(remaining, 1):.0f}"],
+                         method.name)
+        if code != 0:
+            failures += 1
+            print(f"[process per method] {method.name} exited with {code}", flush=True)
+    return failures
