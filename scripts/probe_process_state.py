@@ -60,6 +60,8 @@ def pre_work(kind: str) -> None:
 
     if kind == "none":
         return
+    if not torch.cuda.is_available():
+        raise SystemExit(f"probe_process_state: --pre {kind} needs a CUDA device")
     if kind == "cudnn":
         sdpa(SDPBackend.CUDNN_ATTENTION)
     elif kind == "flash":
@@ -100,6 +102,8 @@ CACHE_CONFIGS = {0: "PreferNone", 1: "PreferShared", 2: "PreferL1", 3: "PreferEq
 
 
 def device_cache_config() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
     value = ctypes.c_int(-1)
     rc = cudart().cudaDeviceGetCacheConfig(ctypes.byref(value))
     return f"error {rc}" if rc != 0 else CACHE_CONFIGS.get(value.value, str(value.value))
@@ -118,7 +122,7 @@ def main(argv=None) -> None:
     pre_work(args.pre)
     print(f"probe_process_state: --pre {args.pre} done in {time.monotonic() - started:.1f} s; cache config "
           f"{device_cache_config()}", flush=True)
-    if args.reset:
+    if args.reset and torch.cuda.is_available():
         rc = cudart().cudaDeviceSetCacheConfig(ctypes.c_int(0))
         print(f"probe_process_state: reset to PreferNone (rc {rc}): {device_cache_config()}", flush=True)
     import bench_generate

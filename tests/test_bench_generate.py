@@ -285,3 +285,20 @@ def test_dense_checks_stop_at_first_passing_backend():
                                        first_passing=True)
     assert [c["backend"] for c in every] == list(candidates)
     assert [c["backend"] for c in first] == ["sdpa-math"] and first[0]["ok"]
+
+
+def test_probe_process_state_runs_the_benchmark_after_its_pre_work(tmp_path):
+    """scripts/probe_process_state.py: --pre none, then bench_generate with the arguments after --; its summary
+    line names the row the benchmark wrote (the GPU kinds of pre-work need a CUDA device)."""
+    probe = os.path.join(ROOT, "scripts", "probe_process_state.py")
+    command = [sys.executable, probe, "--pre", "none", "--", *TINY, "--contexts", "48", "--batches", "1", "--steps", "2",
+               "--profile-steps", "0", "--paced-steps", "0", "--methods", "hash-query_head-full", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record, _ = load_record(tmp_path)
+    (row,) = record["rows"]
+    assert f"--pre none hash-query_head-full B=1 n=48 ms/step {row['ms_per_step']:.3f}" in done.stdout
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, probe, "--pre", "cudnn", "--", *TINY], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode != 0 and "needs a CUDA device" in done.stdout + done.stderr
