@@ -45,23 +45,31 @@ def run_in_processes(args, argv: List[str]) -> int:
     started = time.monotonic()
     base = child_argv(list(argv))
     failures = 0
-    warm_out = tempfile.mkdtemp(prefix="bench_generate_warm_") if args.warm_compile else None
-    for index, method in enumerate(args.method_specs):
-        remaining = args.time_budget_s - (time.monotonic() - started)
-        if remaining <= 0:
-            print(f"[process per method] time budget spent before {method.name}", flush=True)
-            break
-        if warm_out is not None and args.compile != "none":  # "none" compiles nothing
-            code = run_child([*base, "--methods", method.name, "--out", warm_out, "--fresh", "--profile-steps", "0",
-                              "--paced-steps", "0", "--no-attention-share", "--trace-dir", "",
-                              "--time-budget-s", f"{remaining:.0f}"], f"{method.name}, compile-cache warm-up")
-            if code != 0:
-                print(f"[process per method] warm-up of {method.name} exited with {code}", flush=True)
-            remaining = args.time_budget_s - (time.monotonic() - started)
-        fresh = ["--fresh"] if args.fresh and index == 0 else []
-        code = run_child([*base, *fresh, "--methods", method.name, "--time-budget-s", f"{max(remaining, 1):.0f}"],
-                         method.name)
-        if code != 0:
-            failures += 1
-            print(f"[process per method] {method.name} exited with {code}", flush=True)
+    # The warm-up runs' rows are thrown away with this folder.
+    with tempfile.TemporaryDirectory(prefix="bench_generate_warm_") as warm_out:
+        for index, method in enumerate(args.method_specs):
+            if not run_method_process(args, base, method, index, warm_out if args.warm_compile else None, started):
+                failures += 1
     return failures
+
+
+def run_method_process(args, base: List[str], method, index: int, warm_out, started: float) -> bool:
+    """The optional warm-up child (when ``warm_out`` is a folder), then the timed child of one method;
+    False when the timed child failed or the time budget was spent before it."""
+    remaining = args.time_budget_s - (time.monotonic() - started)
+    if remaining <= 0:
+        print(f"[process per method] time budget spent before {method.name}", flush=True)
+        return False
+    if warm_out is not None and args.compile != "none":  # "none" compiles nothing
+        code = run_child([*base, "--methods", method.name, "--out", warm_out, "--fresh", "--profile-steps", "0",
+                          "--paced-steps", "0", "--no-attention-share", "--trace-dir", "",
+                          "--time-budget-s", f"{remaining:.0f}"], f"{method.name}, compile-cache warm-up")
+        if code != 0:
+            print(f"[process per method] warm-up of {method.name} exited with {code}", flush=True)
+        remaining = args.time_budget_s - (time.monotonic() - started)
+    fresh = ["--fresh"] if args.fresh and index == 0 else []
+    code = run_child([*base, *fresh, "--methods", method.name, "--time-budget-s", f"{max(remaining, 1):.0f}"],
+                     method.name)
+    if code != 0:
+        print(f"[process per method] {method.name} exited with {code}", flush=True)
+    return code == 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("none", "cudnn", "flash", "efficient", "matmul", "triton", "modules", "conv", "stack", "carveout")
 
 
+@functools.lru_cache(maxsize=None)
 def cudart():
     """The CUDA runtime library torch loaded (ctypes handle)."""
     torch.cuda.init()
@@ -44,6 +46,12 @@ def cudart():
         except OSError:
             continue
     raise SystemExit("probe_process_state: no libcudart found for --pre stack/carveout")
+
+
+def call_cudart(name: str, *args) -> None:
+    rc = getattr(cudart(), name)(*args)
+    if rc != 0:
+        raise SystemExit(f"probe_process_state: {name} returned {rc}")
 
 
 def sdpa(backend) -> None:
@@ -88,13 +96,9 @@ def pre_work(kind: str) -> None:
         weight = torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16)
         torch.nn.functional.conv2d(image, weight, padding=1)
     elif kind == "stack":
-        rc = cudart().cudaDeviceSetLimit(ctypes.c_int(0), ctypes.c_size_t(16 << 10))  # cudaLimitStackSize
-        if rc != 0:
-            raise SystemExit(f"cudaDeviceSetLimit returned {rc}")
+        call_cudart("cudaDeviceSetLimit", ctypes.c_int(0), ctypes.c_size_t(16 << 10))  # cudaLimitStackSize
     elif kind == "carveout":
-        rc = cudart().cudaDeviceSetCacheConfig(ctypes.c_int(1))  # cudaFuncCachePreferShared
-        if rc != 0:
-            raise SystemExit(f"cudaDeviceSetCacheConfig returned {rc}")
+        call_cudart("cudaDeviceSetCacheConfig", ctypes.c_int(1))  # cudaFuncCachePreferShared
     torch.cuda.synchronize()
 
 
@@ -123,8 +127,8 @@ def main(argv=None) -> None:
     print(f"probe_process_state: --pre {args.pre} done in {time.monotonic() - started:.1f} s; cache config "
           f"{device_cache_config()}", flush=True)
     if args.reset and torch.cuda.is_available():
-        rc = cudart().cudaDeviceSetCacheConfig(ctypes.c_int(0))
-        print(f"probe_process_state: reset to PreferNone (rc {rc}): {device_cache_config()}", flush=True)
+        call_cudart("cudaDeviceSetCacheConfig", ctypes.c_int(0))  # cudaFuncCachePreferNone
+        print(f"probe_process_state: reset to PreferNone: {device_cache_config()}", flush=True)
     import bench_generate
 
     result = bench_generate.main(rest)

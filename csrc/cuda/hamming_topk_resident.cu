@@ -882,7 +882,8 @@ ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
 }
 
 // Signatures per block asked of L2 before the selection waits for the encoder (early_selection_enabled;
-// 0 when off): half of L2 spread over the launch's blocks, whole 128-byte lines, at most a chunk.
+// 0 when off): half of L2 spread over the blocks of every grid slice together (slices run one after
+// another, so this undercounts what one slice could take), whole 128-byte lines, at most a chunk.
 // A B = 1 / 128K decode step's 16.8 MB of signatures then come from L2 entirely, B = 4's 67 MB in part.
 int early_prefetch_positions(int64_t blocks, int chunk) {
   if (!early_selection_enabled() || blocks <= 0) return 0;
