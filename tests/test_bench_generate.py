@@ -302,3 +302,25 @@ def test_probe_process_state_runs_the_benchmark_after_its_pre_work(tmp_path):
         done = subprocess.run([sys.executable, probe, "--pre", "cudnn", "--", *TINY], cwd=ROOT, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode != 0 and "needs a CUDA device" in done.stdout + done.stderr
+
+
+def test_cudnn_use_is_tracked_and_reported(tmp_path):
+    """A dense check through sdpa-cudnn marks the process, and the rows after it say so in the table."""
+    import types
+
+    import generate_report
+
+    state = types.SimpleNamespace(cudnn_used=False)
+    bench.Benchmark.note_backends_run(state, [{"backend": "flash-varlen", "ok": True}])
+    assert state.cudnn_used is False
+    bench.Benchmark.note_backends_run(state, [{"backend": "sdpa-cudnn", "ok": False}])  # it ran, even if rejected
+    assert state.cudnn_used is True
+    bench.Benchmark.note_backends_run(state, [])
+    assert state.cudnn_used is True  # the process stays marked
+
+    bench.main([*TINY, "--contexts", "48", "--batches", "1", "--steps", "2", "--profile-steps", "0", "--paced-steps",
+                "0", "--methods", "hash-query_head-full", "--out", str(tmp_path)])
+    record, _ = load_record(tmp_path)
+    assert "cuDNN used before it in its process" not in generate_report.markdown(record)
+    record["rows"][0]["cudnn_before_in_process"] = True
+    assert "cuDNN used before it in its process" in generate_report.markdown(record)
