@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|early|states|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -76,24 +76,6 @@ if want generate; then
   el "end-to-end generate benchmark"
   timeout ${GENERATE_SECONDS:-300} python3 scripts/bench_generate.py --out "$OUT" ${GENERATE_ARGS:-} \
     > "$OUT/generate.log" 2>&1; echo "generate rc=$?"; tail -${GENERATE_TAIL:-30} "$OUT/generate.log"
-fi
-if [[ " $STEPS " == *" early "* ]]; then  # not part of "all"
-  # A/B of HASHATTENTION_EARLY_SELECTION (the selection placed during the encoder, prefetching its
-  # signatures into L2) end to end, each method in its own process with a warm compile cache
-  # (benchmarks/results/probe_process_state_20261204_s26.md says why), dense once.
-  el "early selection A/B, one process per method"
-  timeout ${EARLY_SECONDS:-480} bash -c "
-    python3 scripts/bench_generate.py --contexts 131072 --batches ${EARLY_BATCHES:-4} --methods dense \
-      --no-attention-share --paced-steps 0 --profile-steps 0 --out '$OUT/early' > '$OUT/early_dense.log' 2>&1
-    warm=--warm-compile  # the first hash process warms the compile cache; the flag is not part of its key
-    for early in 0 1 0 1; do
-      HASHATTENTION_EARLY_SELECTION=\$early python3 scripts/bench_generate.py --contexts 131072 \
-        --batches ${EARLY_BATCHES:-4} --methods hash-query_head-32 --no-attention-share --paced-steps 0 \
-        --profile-steps 0 --out /tmp/early_\$early --process-per-method \$warm 2>&1 | grep -E 'ms/step' | tail -1 \
-        | sed \"s/^/early=\$early: /\"
-      warm=
-    done" 2>&1 | tee "$OUT/early.log"
-  grep -E "ms/step" "$OUT/early_dense.log"
 fi
 if [[ " $STEPS " == *" states "* ]]; then  # not part of "all"
   # B = 4 per head is bimodal across processes (benchmarks/results/bench_generate_20261203_s21_states.md:

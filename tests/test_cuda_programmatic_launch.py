@@ -35,19 +35,17 @@ def check_step(indices, counts, out, lse, query, key_cache, value_cache, q_sig, 
     assert_close_verbose(lse, ref_lse, what=f"{what} lse", atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("programmatic,early", [("1", "0"), ("0", "0"), ("1", "1")])
+@pytest.mark.parametrize("programmatic", ["1", "0"])
 @pytest.mark.parametrize("query_heads,group_shared,keys", [(32, False, 40000), (8, False, 3000), (32, True, 40000)])
 @pytest.mark.parametrize("captured", [False, True])
-def test_attention_after_selection_reads_this_steps_indices(monkeypatch, programmatic, early, query_heads,
-                                                             group_shared, keys, captured):
+def test_attention_after_selection_reads_this_steps_indices(monkeypatch, programmatic, query_heads, group_shared,
+                                                             keys, captured):
     """Eager and graph-replayed steps (B = 1, the splits merged in a cluster at these sizes), with the
-    programmatic launch on and off (HASHATTENTION_PROGRAMMATIC_LAUNCH, a timing aid), and with the
-    selection's L2 prefetch before its wait (HASHATTENTION_EARLY_SELECTION)."""
+    programmatic launch on and off (HASHATTENTION_PROGRAMMATIC_LAUNCH, a timing aid)."""
     monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", programmatic)
-    monkeypatch.setenv("HASHATTENTION_EARLY_SELECTION", early)
     kv_heads, head_dim, dtype, steps = 8 if query_heads == 32 else 2, 128, torch.bfloat16, 6
     selection_heads = kv_heads if group_shared else query_heads
-    g = generator_for("programmatic", programmatic, early, query_heads, group_shared, keys, captured)
+    g = generator_for("programmatic", programmatic, query_heads, group_shared, keys, captured)
     q_sig = torch.empty(1, query_heads, 1, 1, dtype=torch.int32, device="cuda")
     k_sig = torch.empty(1, kv_heads if group_shared else query_heads, keys, 1, dtype=torch.int32, device="cuda")
     query = torch.randn(1, query_heads, 1, head_dim, generator=g).to(dtype).cuda()
@@ -80,23 +78,19 @@ def test_attention_after_selection_reads_this_steps_indices(monkeypatch, program
         check_step(*outputs, query, key_cache, value_cache, q_sig, k_sig, selection, f"step {s}")
 
 
-@pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("op", ["single", "pair_into"])
 @pytest.mark.parametrize("encoder,batch", [("fma", 1), ("fma", 4), ("mma", 8), ("cluster2", 4), ("cluster4", 1)])
-def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch, op, captured, early):
+def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch, op, captured):
     """The encoder's blocks may start while the kernel before them runs, and warm L2 with their
     weights before waiting for it. Each step a kernel right before the encoder (inside the graph
     when captured) writes new inputs and new weights -- the last layer negated every other step,
     which flips every signature bit a stale read would keep -- and the output (with the pair, also
     the selection launched right after it over the stored signatures) must equal the same kernels'
-    launched without the overlap (HASHATTENTION_PROGRAMMATIC_LAUNCH=0) after a sync. With
-    HASHATTENTION_EARLY_SELECTION=1 the encoder lets the selection be placed once its weights are on
-    chip, and the selection prefetches its signatures into L2 before waiting for the encoder."""
+    launched without the overlap (HASHATTENTION_PROGRAMMATIC_LAUNCH=0) after a sync."""
     monkeypatch.setenv("HASHATTENTION_ENCODER", encoder)
-    monkeypatch.setenv("HASHATTENTION_EARLY_SELECTION", early)
     heads, kv_heads, sizes, dtype = 32, 8, [128, 128, 128, 32], torch.bfloat16
-    g = generator_for("programmatic-encoder", encoder, batch, op, captured, early)
+    g = generator_for("programmatic-encoder", encoder, batch, op, captured)
     query = torch.empty(batch, heads, 1, sizes[0], dtype=dtype, device="cuda")
     key = torch.empty(batch, kv_heads, 1, sizes[0], dtype=dtype, device="cuda")
     qw, qb = make_mlp(heads, sizes, g, dtype, "cuda")
@@ -157,12 +151,3 @@ def test_bad_programmatic_launch_value_is_named(monkeypatch):
     indices = torch.arange(200, dtype=torch.int32, device="cuda").expand(1, 4, 1, 200).contiguous()
     with pytest.raises(RuntimeError, match="HASHATTENTION_PROGRAMMATIC_LAUNCH must be 0 or 1"):
         ha.sparse_attention(q, k, k, indices, scale=0.125)
-
-
-def test_bad_early_selection_value_is_named(monkeypatch):
-    """The timing aid accepts 0 or 1 only, and says so (the encoder reads it at every launch)."""
-    monkeypatch.setenv("HASHATTENTION_EARLY_SELECTION", "on")
-    weights, biases = make_mlp(4, [64, 32], generator_for("bad-early"), torch.float32, "cuda")
-    x = torch.randn(1, 4, 1, 64, device="cuda")
-    with pytest.raises(RuntimeError, match="HASHATTENTION_EARLY_SELECTION must be 0 or 1"):
-        ha.encode_signatures(x, weights, biases)

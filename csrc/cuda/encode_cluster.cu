@@ -166,9 +166,6 @@ __global__ void __launch_bounds__(kClusterThreads) cluster_mlp_sign_kernel(const
   }
   __syncthreads();  // the inputs are written and the mbarrier is initialised before anyone waits on it
   if (layout.bulk_bytes != 0) bulk_copy_wait(&bytes_landed);
-  // The weights are on chip: a selection launched programmatically after this kernel may now be
-  // placed and warm L2 while the MLP runs (early_selection_enabled).
-  if (launch.work.trigger_dependents) allow_dependent_launch();
 
   const int lane = threadIdx.x & 31;
   for (int layer = 0; layer < p.layers; ++layer) {

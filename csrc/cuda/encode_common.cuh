@@ -47,8 +47,6 @@ struct FusedMlpParams {
 struct FusedMlpLaunch {
   FusedMlpParams problems[2];
   int64_t first_heads;
-  // 1: the kernel calls allow_dependent_launch() once its weights are on chip (early_selection_enabled).
-  int trigger_dependents;
 };
 
 // The first output word of row (b, h, n), or nullptr when the row's cache slot is out of range.
@@ -119,12 +117,18 @@ __device__ __forceinline__ void bulk_copy_wait(uint64_t* barrier) {
 __device__ __forceinline__ void prefetch_weights_to_l2(const FusedMlpParams& p, int64_t h, int element_bytes,
                                                        int threads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto prefetch = [&](const void* begin, int64_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(127);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(begin) + static_cast<uintptr_t>(bytes);
+    for (uintptr_t line = first + uintptr_t(threadIdx.x) * 128; line < end; line += uintptr_t(threads) * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+    }
+  };
   for (int layer = 0; layer < p.layers; ++layer) {
     const int64_t fan_in = p.widths[layer], fan_out = p.widths[layer + 1];
-    prefetch_lines_to_l2(static_cast<const char*>(p.weights[layer]) + h * fan_in * fan_out * element_bytes,
-                         fan_in * fan_out * element_bytes, threads);
-    prefetch_lines_to_l2(static_cast<const char*>(p.biases[layer]) + h * fan_out * element_bytes,
-                         fan_out * element_bytes, threads);
+    prefetch(static_cast<const char*>(p.weights[layer]) + h * fan_in * fan_out * element_bytes,
+             fan_in * fan_out * element_bytes);
+    prefetch(static_cast<const char*>(p.biases[layer]) + h * fan_out * element_bytes, fan_out * element_bytes);
   }
 #endif
 }

@@ -191,9 +191,6 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
   } else {
     copy_async_wait_all();  // the barrier at the first tile publishes it to the block
   }
-  // The weights are on chip (or, tiled, the first of them): a selection launched programmatically
-  // after this kernel may now be placed and warm L2 while the MLP runs (early_selection_enabled).
-  if (launch.trigger_dependents) allow_dependent_launch();
 
   const int lane = threadIdx.x & 31;
   int64_t layer_offset = 0;  // where this layer's weights start in `staged` when all_staged
@@ -463,7 +460,6 @@ void encode_fused_cuda(const at::Tensor& x, at::TensorList weights, at::TensorLi
   work.problems[0] = describe_problem(x, weights, biases, activation_code(activation), out, kept);
   if (is_empty_problem(work.problems[0])) return;
   work.first_heads = work.problems[0].heads;
-  work.trigger_dependents = early_selection_enabled() ? 1 : 0;
   launch_fused(work, 1, x.scalar_type(), weights[0].scalar_type());
 }
 
@@ -485,7 +481,6 @@ void encode_fused_pair_cuda(const at::Tensor& query, at::TensorList query_weight
   }
   if (problems == 0) return;
   work.first_heads = work.problems[0].heads;
-  work.trigger_dependents = early_selection_enabled() ? 1 : 0;
   launch_fused(work, problems, query.scalar_type(), query_weights[0].scalar_type());
 }
 

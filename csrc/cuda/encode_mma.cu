@@ -202,9 +202,6 @@ __global__ void __launch_bounds__(kMmaThreads) mma_mlp_sign_kernel(MmaLaunch lau
   }
   copy_async_wait_all();
   __syncthreads();  // the inputs and every thread's copies are in place
-  // A selection launched programmatically after this kernel may now be placed and warm L2 while the
-  // MLP runs (early_selection_enabled).
-  if (launch.work.trigger_dependents) allow_dependent_launch();
 
   for (int layer = 0; layer < p.layers; ++layer) {
     const int fan_in = p.widths[layer], fan_out = p.widths[layer + 1];

@@ -545,7 +545,7 @@ constexpr int kMinResidentBlocks = 5;
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,
-                           int prefetch_positions, int probe_stop, int32_t* timeline_out) {
+                           int probe_stop, int32_t* timeline_out) {
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
   constexpr int kBins = Counters::kBins;    // possible distances
@@ -575,13 +575,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
-  // With early_selection_enabled the encoder before this kernel lets it be placed once the encoder's
-  // weights are on chip; the block then asks L2 for the first `prefetch_positions` signatures of its
-  // chunk while the encoder's MLP runs (a prefetch returns nothing, so it may go before the wait).
-  if (prefetch_positions > 0) {
-    const int64_t positions = min64(prefetch_positions, min64(chunk, p.keys - at.base));
-    if (positions > 0) prefetch_lines_to_l2(loads.key_row + at.base, 4 * positions, kThreads);
-  }
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
   wait_for_prerequisite_grids();
@@ -881,17 +874,6 @@ ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
   return choice;
 }
 
-// Signatures per block asked of L2 before the selection waits for the encoder (early_selection_enabled;
-// 0 when off): half of L2 spread over the blocks of every grid slice together (slices run one after
-// another, so this undercounts what one slice could take), whole 128-byte lines, at most a chunk.
-// A B = 1 / 128K decode step's 16.8 MB of signatures then come from L2 entirely, B = 4's 67 MB in part.
-int early_prefetch_positions(int64_t blocks, int chunk) {
-  if (!early_selection_enabled() || blocks <= 0) return 0;
-  const int64_t l2_bytes = at::cuda::getCurrentDeviceProperties()->l2CacheSize;
-  const int64_t positions = (l2_bytes / 2) / (4 * blocks) / 32 * 32;
-  return static_cast<int>(std::min<int64_t>(positions, chunk));
-}
-
 // A problem too large for one resident grid (e.g. B = 8 x 32 heads x 128K positions, 33.5M, on an
 // H200) is cut into grid slices launched one after the other: whole batches per slice when a
 // batch fits, else slices of one batch's head rows; slices as equal as possible. Two launches of
@@ -927,13 +909,12 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   HammingSource source = src;
   int probe_stop = selection_probe();
   int32_t* timeline = selection_timeline();
-  int prefetch_positions = early_prefetch_positions(row_count * chunks, chunk);
   const auto stream = at::cuda::getCurrentCUDAStream();
   const bool programmatic = programmatic_launch_allowed(reinterpret_cast<const void*>(kernel));
   for (int64_t z = 0; z < batches; z += slice_batches) {
     for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
       int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
-      void* args[] = {&params, &source, &chunk, &offset, &histograms, &prefetch_positions, &probe_stop, &timeline};
+      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline};
       const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
                       static_cast<unsigned>(std::min(slice_batches, batches - z)));
       // Cooperative (every block resident: the grid barrier cannot deadlock) and, where allowed,

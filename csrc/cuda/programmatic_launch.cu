@@ -40,13 +40,5 @@ bool programmatic_launch_allowed(const void* kernel) {
   return kernel_built_for_sm90(kernel);
 }
 
-bool early_selection_enabled() {
-  const char* value = std::getenv("HASHATTENTION_EARLY_SELECTION");
-  if (value == nullptr || *value == '\0') return false;
-  TORCH_CHECK(std::strcmp(value, "0") == 0 || std::strcmp(value, "1") == 0,
-              "HASHATTENTION_EARLY_SELECTION must be 0 or 1 (a timing aid), got '", value, "'");
-  return value[0] == '1';
-}
-
 }  // namespace cuda
 }  // namespace hashattention

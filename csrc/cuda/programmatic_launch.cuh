@@ -4,8 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdint>
-
 namespace hashattention {
 namespace cuda {
 
@@ -27,29 +25,6 @@ __device__ __forceinline__ void allow_dependent_launch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-
-// Asks L2 for the 128-byte lines of [begin, begin + bytes), spread over the block's `threads` threads.
-// A prefetch has no effect on what any load returns, so it may go before wait_for_prerequisite_grids():
-// the data is read after the wait, from L2, the point of coherence, so a line the grid before rewrote
-// is never read stale. (Only an earlier line fetch is gained: nothing is read into registers.)
-__device__ __forceinline__ void prefetch_lines_to_l2(const void* begin, int64_t bytes, int threads) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(127);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(begin) + static_cast<uintptr_t>(bytes);
-  for (uintptr_t line = first + uintptr_t(threadIdx.x) * 128; line < end; line += uintptr_t(threads) * 128) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-  }
-#endif
-}
-
-// Whether the selection is launched to overlap the encoder before it (timing aid, default off until
-// measured on the GPU; HASHATTENTION_EARLY_SELECTION=1): the encoder kernels then let their dependents
-// be scheduled once their weights have landed in shared memory, and each selection block, placed
-// while the encoder still runs, asks L2 for the start of its chunk of key signatures before it waits
-// for the encoder (hamming_topk_resident.cu). The encoder is latency-bound and leaves DRAM idle for
-// most of its ~7-10 us per layer; the signatures do not depend on it (the new key's slot is in the
-// local window, never scored).
-bool early_selection_enabled();
 
 // Whether `kernel` runs sm_90 code on the current device: the device is sm_90 or later and the
 // kernel's code came from sm_90 or later, both the PTX it was compiled from (ptxVersion: SASS for
