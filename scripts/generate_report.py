@@ -92,7 +92,8 @@ def markdown(record: dict) -> str:
         f"- updated: {record['updated_utc']}; device: {record['env']['device']}; torch {record['env']['torch']}, "
         f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, {provenance.label(record['env'])}",
         "- commands (each run merges its rows into this file):",
-        *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}, "
+        *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}"
+          f"{', inductor PDL' if run.get('inductor_pdl') else ''}, "
           f"{run['model']}{environment_note(run)})" for run in record["runs"]],
         "- tokens/s = B x steps / time of `steps` greedy decode steps (CUDA events, one sync at the end); ratio = "
         "tokens/s over dense's in the same (B, n); attention share = all layers' attention alone "
@@ -155,7 +156,8 @@ def markdown(record: dict) -> str:
 
 def comparable_key(row: dict) -> tuple:
     """Rows with the same key ran the same cell setup, so their tokens/s and tokens compare."""
-    return row["B"], row["n"], row.get("fill"), row.get("steps")
+    # Rows from before --inductor-pdl ran without it.
+    return row["B"], row["n"], row.get("fill"), row.get("steps"), row.get("inductor_pdl", False)
 
 
 def link_to_later_dense(rows: List[dict], dense: dict) -> None:

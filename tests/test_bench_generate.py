@@ -324,3 +324,33 @@ def test_cudnn_use_is_tracked_and_reported(tmp_path):
     assert "cuDNN used before it in its process" not in generate_report.markdown(record)
     record["rows"][0]["cudnn_before_in_process"] = True
     assert "cuDNN used before it in its process" in generate_report.markdown(record)
+
+
+def test_inductor_pdl_is_set_recorded_and_compared_only_with_its_own_setting(tmp_path):
+    """--inductor-pdl sets inductor's config for the run and is recorded per run and row; a row takes its ratio
+    only from a dense row run with the same setting."""
+    import torch._inductor.config as inductor_config
+
+    common = [*TINY, "--contexts", "80", "--batches", "1", "--steps", "2", "--profile-steps", "0", "--out", str(tmp_path)]
+    before = inductor_config.triton.enable_pdl
+    try:
+        bench.main([*common, "--methods", "dense", "--inductor-pdl", "off"])
+        assert inductor_config.triton.enable_pdl is False
+        bench.main([*common, "--methods", "hash-query_head-32"])  # on by default
+        assert inductor_config.triton.enable_pdl is True
+        record, md_path = load_record(tmp_path)
+        rows = {r["method"]: r for r in record["rows"]}
+        assert rows["dense"]["inductor_pdl"] is False and rows["hash-query_head-32"]["inductor_pdl"] is True
+        assert rows["hash-query_head-32"].get("ratio_to_dense") is None  # dense ran without PDL
+        assert [run["inductor_pdl"] for run in record["runs"]] == [False, True]
+
+        bench.main([*common, "--methods", "dense"])  # the same setting as the sparse row: it now has a ratio
+        record, md_path = load_record(tmp_path)
+        rows = {r["method"]: r for r in record["rows"]}
+        sparse = rows["hash-query_head-32"]
+        assert rows["dense"]["inductor_pdl"] is True
+        assert sparse["ratio_to_dense"] == pytest.approx(sparse["tokens_per_s"] / rows["dense"]["tokens_per_s"])
+        text = open(md_path).read()
+        assert text.count("compile: none, inductor PDL, ") == 2 and text.count("compile: none, ") == 3
+    finally:
+        inductor_config.triton.enable_pdl = before
