@@ -110,3 +110,28 @@ def test_multivalue_style_states_two_codes_apart_and_restates_them_together():
     torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=1), out)  # seeded
     with pytest.raises(ValueError, match="retrieval_fact_style"):
         TrainConfig(retrieval_fact_style="multi")
+
+
+def test_frequent_style_lists_words_with_zipf_counts_and_names_the_top_three_in_the_query_window():
+    config, tokenizer, sequence, out = facts_on_prose(4, index=2, style="frequent")
+    text = tokenizer.decode(out.tolist())
+    first_query = config.first_query_position
+    before, inside = tokenizer.decode(out[:first_query].tolist()), tokenizer.decode(out[first_query:].tolist())
+    # The facts as in "repeat": each stated once before the query window and once inside it.
+    assert before.count(" Note: the access code of the ") == 4 and inside.count(" Note: the access code of the ") == 4
+    # Three word lists before the window, none inside; word k of the four listed words occurs 12 // (k + 1) times.
+    lists = [part.split(".")[0].split() for part in before.split(" Words: ")[1:]]
+    assert len(lists) == 3 and " Words: " not in inside
+    counts = {}
+    for word in (w for words in lists for w in words):
+        counts[word] = counts.get(word, 0) + 1
+    assert sorted(counts.values(), reverse=True) == [12, 6, 4, 3]
+    top = sorted(counts, key=counts.get, reverse=True)[:3]
+    assert all(word in PROSE for word in counts)  # words of the sequence's own text
+    assert f"are {top[0]}, {top[1]} and {top[2]}." in inside
+    assert f"was {top[0]}, then {top[1]}, then {top[2]}." in inside
+    assert f"lists, {top[0]} came up most, then {top[1]} and {top[2]}." in inside
+    # The listed words are not the facts' words, and the whole thing is seeded.
+    fact_words = {s.split(" vault")[0].split()[-1] for s in before.split(" Note: the access code of the ")[1:]}
+    assert not fact_words & set(counts)
+    torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=2), out)

@@ -49,7 +49,8 @@ class TrainConfig:
     # "repeat": the restatement repeats the statement word for word; "paraphrase": it says the same
     # fact in other words (one of several statement / paraphrase pairs per fact), so that the labels
     # teach retrieval across wording, as a question about a needle needs; "multivalue": two codes
-    # per word, stated apart and restated together (a needle with several values).
+    # per word, stated apart and restated together (a needle with several values); "frequent": as
+    # "repeat", plus lists of words with Zipf-like counts and sentences naming the most frequent.
     retrieval_fact_style: str = "repeat"
     shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
     # labels
@@ -111,7 +112,7 @@ class TrainConfig:
         choices = {"target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
                    "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
                    "save_dtype": ("float32", "bfloat16", "float16"),
-                   "retrieval_fact_style": ("repeat", "paraphrase", "multivalue")}
+                   "retrieval_fact_style": ("repeat", "paraphrase", "multivalue", "frequent")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -180,8 +181,9 @@ HELP = {
                            "adapters that work beyond sequence_tokens)",
     "retrieval_facts": "facts written early into each training sequence and restated in its query window "
                        "(retrieval-shaped label rows; 0 = prose only)",
-    "retrieval_fact_style": '"repeat" (restated word for word), "paraphrase" (restated in other words) or '
-                            '"multivalue" (two codes per word, restated together)',
+    "retrieval_fact_style": '"repeat" (restated word for word), "paraphrase" (restated in other words), '
+                            '"multivalue" (two codes per word, restated together) or "frequent" (as "repeat", plus word '
+                            'lists with Zipf-like counts, the most frequent named in the query window)',
     "top_k": "labels: the true top-k keys by the target score",
     "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
     "local_tokens": "local window (latest tokens), excluded from labels and always selected",

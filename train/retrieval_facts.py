@@ -18,7 +18,13 @@ evaluation tasks' ("special magic number") on purpose, the words come from the t
 own text, and validation sequences are left as they are, so held-out recall stays comparable with
 adapters fitted on prose. With ``retrieval_fact_style = "multivalue"`` each word gets two codes,
 stated apart before the query window, and one restatement inside it lists both (the shape of a
-needle with several values). Seeded by (seed, index): the same config writes the same sequences.
+needle with several values). With ``retrieval_fact_style = "frequent"`` the facts are written as
+with ``"repeat"``, and the sequence also gets word lists before the query window: a second set of F
+words drawn from the text, word k listed ``12 // (k + 1)`` times (12, 6, 4, 3, ...), shuffled and cut
+into three lists; three sentences inside the query window name the three most frequent in order. A
+query row there has the listed occurrences of its word among its true top keys, the shape of the
+evaluation's frequent-word task (rows that must find every occurrence of a repeated word). Seeded by
+(seed, index): the same config writes the same sequences.
 """
 
 from __future__ import annotations
@@ -77,6 +83,11 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
         restated = [f" Note: the access codes of the {w} vault are {d} and {e}." for w, d, e in zip(chosen, digits, others)]
     else:
         facts = restated = [_statement(w, d) for w, d in zip(chosen, digits)]
+    if config.retrieval_fact_style == "frequent":
+        rest = [w for w in words if w not in chosen]
+        listed = rng.sample(rest, count) if len(rest) >= count else [rng.choice(words) + f"x{i}" for i in range(count)]
+        lists, named = _frequent_word_lists(listed, rng)
+        facts, restated = facts + lists, facts + named
     encoded = [tokenizer.encode(fact, add_special_tokens=False) for fact in facts]
     encoded_again = encoded if restated is facts else [tokenizer.encode(f, add_special_tokens=False) for f in restated]
     first_query = config.first_query_position
@@ -87,6 +98,21 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
     _write_spread(out, [encoded_again[i] for i in order], first_query, config.sequence_tokens, rng,
                   "inside the query window")
     return out
+
+
+def _frequent_word_lists(words: List[str], rng: random.Random):
+    """``(lists, sentences)`` for retrieval_fact_style = "frequent": word k of ``words`` (at least four)
+    appears ``12 // (k + 1)`` times over three shuffled lists, so the first three are strictly the most
+    frequent (12 > 6 > 4 > 3); three sentences name them in order."""
+    items = [w for k, w in enumerate(words) for _ in range(12 // (k + 1))]
+    rng.shuffle(items)
+    third = -(-len(items) // 3)
+    lists = [" Words: " + " ".join(items[i:i + third]) + "." for i in range(0, len(items), third)]
+    a, b, c = words[:3]
+    sentences = [f" Note: the words listed most often above are {a}, {b} and {c}.",
+                 f" The most frequent listed word was {a}, then {b}, then {c}.",
+                 f" In the word lists, {a} came up most, then {b} and {c}."]
+    return lists, sentences
 
 
 def _write_spread(out: torch.Tensor, snippets: List[List[int]], start: int, end: int, rng: random.Random,
