@@ -114,7 +114,6 @@ def test_multivalue_style_states_two_codes_apart_and_restates_them_together():
 
 def test_frequent_style_lists_words_with_zipf_counts_and_names_the_top_three_in_the_query_window():
     config, tokenizer, sequence, out = facts_on_prose(4, index=2, style="frequent")
-    text = tokenizer.decode(out.tolist())
     first_query = config.first_query_position
     before, inside = tokenizer.decode(out[:first_query].tolist()), tokenizer.decode(out[first_query:].tolist())
     # The facts as in "repeat": each stated once before the query window and once inside it.
