@@ -134,3 +134,11 @@ def test_frequent_style_lists_words_with_zipf_counts_and_names_the_top_three_in_
     fact_words = {s.split(" vault")[0].split()[-1] for s in before.split(" Note: the access code of the ")[1:]}
     assert not fact_words & set(counts)
     torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=2), out)
+
+
+def test_frequent_style_needs_three_words():
+    """Its sentences name three words, so fewer than three is a config error that says so."""
+    with pytest.raises(ValueError, match="retrieval_facts must be 0 or >= 3"):
+        TrainConfig(retrieval_facts=2, retrieval_fact_style="frequent", work_dir="unused")
+    config, tokenizer, sequence, out = facts_on_prose(3, index=0, style="frequent")
+    assert tokenizer.decode(out.tolist()).count(" Words: ") == 3

@@ -116,6 +116,9 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.retrieval_fact_style == "frequent" and 0 < self.retrieval_facts < 3:
+            raise ValueError("TrainConfig.retrieval_facts must be 0 or >= 3 with retrieval_fact_style = \"frequent\" "
+                             f"(its sentences name the three most frequent listed words), got {self.retrieval_facts}")
         if self.bits % 32:
             raise ValueError(f"TrainConfig.bits must be a multiple of 32, got {self.bits}")
         if any(s < 1 for s in self.sparsities):

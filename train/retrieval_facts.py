@@ -101,9 +101,9 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
 
 
 def _frequent_word_lists(words: List[str], rng: random.Random):
-    """``(lists, sentences)`` for retrieval_fact_style = "frequent": word k of ``words`` (at least four)
-    appears ``12 // (k + 1)`` times over three shuffled lists, so the first three are strictly the most
-    frequent (12 > 6 > 4 > 3); three sentences name them in order."""
+    """``(lists, sentences)`` for retrieval_fact_style = "frequent": word k of ``words`` (at least three,
+    which TrainConfig checks) appears ``12 // (k + 1)`` times over three shuffled lists, so the first three
+    are strictly the most frequent (12 > 6 > 4 > 3); three sentences name them in order."""
     items = [w for k, w in enumerate(words) for _ in range(12 // (k + 1))]
     rng.shuffle(items)
     third = -(-len(items) // 3)
