@@ -205,6 +205,46 @@ def test_hashattention_matches_brute_force_hamming(adapter_dirs, name, key_heads
     assert selector.state[("signatures", 0)].shape[2] == KEYS
 
 
+def _weighted_hamming_scores(adapters, query, key, levels):
+    """Loops in float64: sum over bits of w_j * [query bit == key bit], w_j from the row's |tanh| ranks."""
+    adapter = adapters[0]
+    q_codes = adapter.query(query.float()).double()  # (B, Hq, P, bits)
+    k_bits = adapter.key(adapter.expand_keys(key)) > 0  # (B, Hq, N, bits)
+    batch, heads, rows, bits = q_codes.shape
+    scores = torch.zeros(batch, heads, rows, k_bits.shape[2], dtype=torch.float64)
+    for b, h, l in itertools.product(range(batch), range(heads), range(rows)):
+        magnitude = [abs(math.tanh(float(c))) for c in q_codes[b, h, l]]
+        top = max(magnitude)
+        weights = [min(max(math.ceil(levels * m / top), 1), levels) for m in magnitude]
+        q_bits = [float(c) > 0 for c in q_codes[b, h, l]]
+        for n in range(k_bits.shape[2]):
+            scores[b, h, l, n] = sum(w for w, qb, kb in zip(weights, q_bits, k_bits[b, h, n].tolist()) if qb == kb)
+    return scores
+
+
+def test_hashattention_w4_matches_brute_force_weighted_hamming(adapter_dirs):
+    directory, adapters = adapter_dirs["query"]
+    selector = prepared("hashattention-w4", adapters_dir=directory)
+    query, key, value = inputs(8)
+    with torch.no_grad():
+        scores = _weighted_hamming_scores(adapters, query, key, levels=4)
+    assert len(torch.unique(scores)) > adapters.config.bits + 1  # finer than plain Hamming
+    check(selector, scores, query, key, value)
+    assert selector.identity()["query_levels"] == 4
+    assert "query_levels" not in prepared("hashattention", adapters_dir=directory).identity()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"query_levels": -1}, "query_levels must be a non-negative int"),
+    ({"query_levels": 2.5}, "query_levels must be a non-negative int"),
+    ({"selection": "kv", "query_levels": 4}, "query_levels needs selection='query'"),
+])
+def test_hashattention_bad_query_levels(options, message):
+    from hashattention.evaluation.selectors.hashattention_selector import HashAttentionSelector
+    with pytest.raises(ValueError, match=message):
+        HashAttentionSelector(**options)
+
+
 def test_hashattention_without_adapters_is_unavailable(tmp_path):
     with pytest.raises(SelectorUnavailable, match="no trained adapters"):
         create_selector("hashattention").prepare(SelectorSetup(shape=SHAPE, adapters_dir=str(tmp_path)))

@@ -5,6 +5,13 @@ Loads trained :class:`~hashattention.adapters.HashAdapters` (``save_pretrained``
 selection per KV group (the Hamming scores of the group's query heads are summed), reading
 the group-shared adapters when given (``SelectorSetup.group_adapters_dir``), else the same
 adapters. Key signatures are encoded once per key, when the key first appears.
+
+``hashattention-w4`` (an experiment) keeps the same 32-bit key signatures but weighs each bit of
+the query by how sure the query MLP is of it: score = sum_j w_j * s_qj * s_kj with s = +-1 the
+signs and w_j in 1..4 the quantised ``|tanh(f_q(q))_j|`` of the row (:func:`query_bit_weights`).
+Training fits ``tanh(f_q) . tanh(f_k)``, so this is closer to the trained score than plain Hamming,
+and it has 4 * bits + 1 values instead of bits + 1 (fewer ties at the budget's threshold). Same
+auxiliary memory per key.
 """
 
 from __future__ import annotations
@@ -22,13 +29,19 @@ from .signature_cache import cached_key_signatures
 
 class HashAttentionSelector(Selector):
     name = "hashattention"
-    variants = {"": {"selection": "query"}, "-group": {"selection": "kv"}}
+    variants = {"": {"selection": "query"}, "-group": {"selection": "kv"},
+                "-w4": {"selection": "query", "query_levels": 4}}
 
-    def __init__(self, selection: str = "query"):
+    def __init__(self, selection: str = "query", query_levels: int = 0):
         super().__init__()
         if selection not in ("query", "kv"):
             raise ValueError(f"selection must be 'query' or 'kv', got {selection!r}")
+        if not isinstance(query_levels, int) or query_levels < 0:
+            raise ValueError(f"query_levels must be a non-negative int (0: plain Hamming), got {query_levels!r}")
+        if query_levels and selection != "query":
+            raise ValueError("query_levels needs selection='query'")
         self.selection = selection
+        self.query_levels = query_levels
         self.adapters = None
 
     def prepare(self, setup):
@@ -51,7 +64,10 @@ class HashAttentionSelector(Selector):
             self.weights_sha256 = hashlib.sha256(f.read()).hexdigest()
 
     def identity(self):
-        return {**super().identity(), "adapters_sha256": getattr(self, "weights_sha256", None)}
+        identity = {**super().identity(), "adapters_sha256": getattr(self, "weights_sha256", None)}
+        if self.query_levels:
+            identity["query_levels"] = self.query_levels
+        return identity
 
     def aux_bits_per_token(self, shape):
         if self.adapters is None:
@@ -61,6 +77,8 @@ class HashAttentionSelector(Selector):
 
     def select(self, layer, query, key, value, budget, scaling):
         adapter = self.adapters[layer]
+        if self.query_levels:
+            return self._select_weighted(adapter, layer, query, key, budget)
         key_signatures = cached_key_signatures(self.state, layer, key, adapter.key_signatures)
         return ops.hamming_topk(
             adapter.query_signatures(query),
@@ -70,3 +88,28 @@ class HashAttentionSelector(Selector):
             local_tokens=budget.local_tokens,
             budget_tokens=budget.heavy_tokens,
         )
+
+    def _select_weighted(self, adapter, layer, query, key, budget):
+        keys = key.shape[2]
+        signs = self.state.get(("key_signs", layer))
+        done = 0 if signs is None else signs.shape[2]
+        if done < keys:
+            fresh = torch.where(adapter.key(adapter.expand_keys(key[:, :, done:].float())) > 0, 1.0, -1.0)
+            signs = fresh if signs is None else torch.cat([signs, fresh], dim=2)
+            self.state[("key_signs", layer)] = signs
+        codes = adapter.query(query.float())  # (B, Hq, P, bits)
+        weights = query_bit_weights(codes, self.query_levels) * torch.where(codes > 0, 1.0, -1.0)
+        scores = torch.matmul(weights, signs[:, :, :keys].transpose(-1, -2))  # integers, exact in float32
+        return ops.topk_from_scores(scores, sink_tokens=budget.sink_tokens, local_tokens=budget.local_tokens,
+                                   budget_tokens=budget.heavy_tokens)
+
+
+def query_bit_weights(codes: torch.Tensor, levels: int) -> torch.Tensor:
+    """Per-bit weights in ``1..levels`` (float) of pre-sign query codes ``(..., bits)``.
+
+    ``w_j = clamp(ceil(levels * |tanh(c_j)| / max_i |tanh(c_i)|), 1, levels)``: the row's surest bit
+    weighs ``levels``, bits within ``1/levels`` of zero weigh 1.
+    """
+    magnitude = torch.tanh(codes).abs()
+    scale = magnitude.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(magnitude.dtype).tiny)
+    return torch.ceil(magnitude / scale * levels).clamp(1, levels)
