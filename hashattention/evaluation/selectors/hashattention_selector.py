@@ -11,7 +11,7 @@ the query by how sure the query MLP is of it: score = sum_j w_j * s_qj * s_kj wi
 signs and w_j in 1..4 the quantised ``|tanh(f_q(q))_j|`` of the row (:func:`query_bit_weights`).
 Training fits ``tanh(f_q) . tanh(f_k)``, so this is closer to the trained score than plain Hamming,
 and it has 4 * bits + 1 values instead of bits + 1 (fewer ties at the budget's threshold). Same
-auxiliary memory per key.
+auxiliary memory per key. ``hashattention-w2`` uses weights 1..2 (one bit-plane in a kernel).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .signature_cache import cached_key_signatures
 class HashAttentionSelector(Selector):
     name = "hashattention"
     variants = {"": {"selection": "query"}, "-group": {"selection": "kv"},
-                "-w4": {"selection": "query", "query_levels": 4}}
+                "-w2": {"selection": "query", "query_levels": 2}, "-w4": {"selection": "query", "query_levels": 4}}
 
     def __init__(self, selection: str = "query", query_levels: int = 0):
         super().__init__()
