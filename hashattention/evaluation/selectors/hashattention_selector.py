@@ -23,6 +23,7 @@ import torch
 
 from ... import ops
 from ...adapters import CONFIG_NAME, WEIGHTS_NAME, HashAdapters
+from ...reference import unpack_signs
 from .base import Selector, SelectorUnavailable
 from .signature_cache import cached_key_signatures
 
@@ -90,16 +91,12 @@ class HashAttentionSelector(Selector):
         )
 
     def _select_weighted(self, adapter, layer, query, key, budget):
-        keys = key.shape[2]
-        signs = self.state.get(("key_signs", layer))
-        done = 0 if signs is None else signs.shape[2]
-        if done < keys:
-            fresh = torch.where(adapter.key(adapter.expand_keys(key[:, :, done:].float())) > 0, 1.0, -1.0)
-            signs = fresh if signs is None else torch.cat([signs, fresh], dim=2)
-            self.state[("key_signs", layer)] = signs
+        # The same cached key signatures as plain Hamming, unpacked to +-1 (B, Hq, N, bits).
+        key_bits = unpack_signs(cached_key_signatures(self.state, layer, key, adapter.key_signatures))
+        key_signs = torch.where(key_bits, 1.0, -1.0)
         codes = adapter.query(query.float())  # (B, Hq, P, bits)
         weights = query_bit_weights(codes, self.query_levels) * torch.where(codes > 0, 1.0, -1.0)
-        scores = torch.matmul(weights, signs[:, :, :keys].transpose(-1, -2))  # integers, exact in float32
+        scores = torch.matmul(weights, key_signs.transpose(-1, -2))  # integers, exact in float32
         return ops.topk_from_scores(scores, sink_tokens=budget.sink_tokens, local_tokens=budget.local_tokens,
                                    budget_tokens=budget.heavy_tokens)
 
