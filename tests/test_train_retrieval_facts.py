@@ -142,3 +142,39 @@ def test_frequent_style_needs_three_words():
         TrainConfig(retrieval_facts=2, retrieval_fact_style="frequent", work_dir="unused")
     config, tokenizer, sequence, out = facts_on_prose(3, index=0, style="frequent")
     assert tokenizer.decode(out.tolist()).count(" Words: ") == 3
+
+
+def test_codes_style_writes_the_facts_and_a_code_stream_on_each_side_of_the_query_window():
+    from train.retrieval_facts import CODE_VOCABULARY
+    config, tokenizer, sequence, out = facts_on_prose(4, index=5, style="codes")
+    first_query = config.first_query_position
+    before, inside = tokenizer.decode(out[:first_query].tolist()), tokenizer.decode(out[first_query:].tolist())
+    # The facts as in "repeat": each stated once before the query window and once inside it.
+    assert before.count(" Note: the access code of the ") == 4 and inside.count(" Note: the access code of the ") == 4
+    # One stream per side, a quarter of the query window long, of 3-7 letter codes from one vocabulary.
+    stream_tokens = (config.sequence_tokens - first_query) // 4
+    streams = []
+    for side, offset in ((out[:first_query], 0), (out[first_query:], first_query)):
+        places = find_all(side.tolist(), tokenizer.encode(" Codes:"))
+        assert len(places) == 1
+        streams.append(tokenizer.decode(side[places[0]:places[0] + stream_tokens].tolist()))
+    codes = [stream.split(":", 1)[1].split()[:-1] for stream in streams]  # the last code may be cut
+    assert all(3 <= len(c) <= 7 and c.isalpha() and c.islower() for side in codes for c in side)
+    vocabulary = set(codes[0]) | set(codes[1])
+    assert len(vocabulary) <= CODE_VOCABULARY and set(codes[1]) & set(codes[0])  # inside rows find earlier codes
+    counts = sorted((sum(side.count(c) for side in codes) for c in vocabulary), reverse=True)
+    assert counts[0] >= 3 * counts[len(counts) // 2]  # Zipf: a few codes dominate
+    # Only the written snippets differ from the prose, and the whole thing is seeded.
+    changed = (out != sequence).nonzero().flatten().numel()
+    assert 2 * stream_tokens // 2 < changed <= 2 * stream_tokens + 8 * 60
+    torch.testing.assert_close(add_retrieval_facts(config, tokenizer, sequence, index=5), out)
+    assert not torch.equal(add_retrieval_facts(config, tokenizer, sequence, index=6), out)
+
+
+def test_codes_style_that_does_not_fit_is_an_error_naming_retrieval_facts():
+    tokenizer = DecodingByteTokenizer(256)
+    sequence = torch.tensor(tokenizer.encode(PROSE[:512]), dtype=torch.long)
+    crowded = TrainConfig(sequence_tokens=512, queries_per_sequence=16, retrieval_facts=8,
+                          retrieval_fact_style="codes", work_dir="unused")
+    with pytest.raises(ValueError, match="retrieval_facts: .* do not fit"):
+        add_retrieval_facts(crowded, tokenizer, sequence, 0)

@@ -50,7 +50,8 @@ class TrainConfig:
     # fact in other words (one of several statement / paraphrase pairs per fact), so that the labels
     # teach retrieval across wording, as a question about a needle needs; "multivalue": two codes
     # per word, stated apart and restated together (a needle with several values); "frequent": as
-    # "repeat", plus lists of words with Zipf-like counts and sentences naming the most frequent.
+    # "repeat", plus lists of words with Zipf-like counts and sentences naming the most frequent;
+    # "codes": as "repeat", plus a stream of made-up code words on each side of the query window.
     retrieval_fact_style: str = "repeat"
     shard_dtype: str = "float32"  # storage of captured queries/keys: float32 | bfloat16
     # labels
@@ -112,7 +113,7 @@ class TrainConfig:
         choices = {"target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
                    "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
                    "save_dtype": ("float32", "bfloat16", "float16"),
-                   "retrieval_fact_style": ("repeat", "paraphrase", "multivalue", "frequent")}
+                   "retrieval_fact_style": ("repeat", "paraphrase", "multivalue", "frequent", "codes")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -186,7 +187,8 @@ HELP = {
                        "(retrieval-shaped label rows; 0 = prose only)",
     "retrieval_fact_style": '"repeat" (restated word for word), "paraphrase" (restated in other words), '
                             '"multivalue" (two codes per word, restated together) or "frequent" (as "repeat", plus word '
-                            'lists with Zipf-like counts, the most frequent named in the query window)',
+                            'lists with Zipf-like counts, the most frequent named in the query window) or "codes" (as "repeat", plus '
+                            'streams of made-up code words before and inside the query window)',
     "top_k": "labels: the true top-k keys by the target score",
     "sink_tokens": "sink window (first tokens), excluded from labels and always selected",
     "local_tokens": "local window (latest tokens), excluded from labels and always selected",

@@ -23,8 +23,15 @@ with ``"repeat"``, and the sequence also gets word lists before the query window
 words drawn from the text, word k listed ``12 // (k + 1)`` times (12, 6, 4, 3, ...), shuffled and cut
 into three lists; three sentences inside the query window name the three most frequent in order. A
 query row there has the listed occurrences of its word among its true top keys, the shape of the
-evaluation's frequent-word task (rows that must find every occurrence of a repeated word). Seeded by
-(seed, index): the same config writes the same sequences.
+evaluation's frequent-word task (rows that must find every occurrence of a repeated word). With
+``retrieval_fact_style = "codes"`` the facts are written as with ``"repeat"``, and each half also gets
+a stream of made-up code words (3-7 random letters, a vocabulary of ``CODE_VOCABULARY`` words with
+Zipf counts) a quarter of the query window long, both streams drawn from the same vocabulary. Text
+of unfamiliar letter strings, where the next sub-word can only be found by looking at the earlier
+occurrences of the same string, is what prose and the facts never show the induction-style heads
+(the evaluation's word tasks and variable names are such text); the streams and facts are placed
+in shuffled order with random gaps. Seeded by (seed, index): the same config writes the same
+sequences.
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ def add_retrieval_facts(config: TrainConfig, tokenizer, sequence: torch.Tensor, 
         restated = [f" Note: the access codes of the {w} vault are {d} and {e}." for w, d, e in zip(chosen, digits, others)]
     else:
         facts = restated = [_statement(w, d) for w, d in zip(chosen, digits)]
+    if config.retrieval_fact_style == "codes":
+        return _write_with_code_streams(config, tokenizer, sequence, facts, rng)
     if config.retrieval_fact_style == "frequent":
         rest = [w for w in words if w not in chosen]
         listed = rng.sample(rest, count) if len(rest) >= count else [rng.choice(words) + f"x{i}" for i in range(count)]
@@ -113,6 +122,56 @@ def _frequent_word_lists(words: List[str], rng: random.Random):
                  f" The most frequent listed word was {a}, then {b}, then {c}.",
                  f" In the word lists, {a} came up most, then {b} and {c}."]
     return lists, sentences
+
+
+CODE_VOCABULARY = 32
+
+
+def _code_stream(tokenizer, vocabulary: List[str], weights: List[float], tokens: int,
+                 rng: random.Random) -> List[int]:
+    """Exactly ``tokens`` token ids of " Codes: c c c ..." with codes drawn from ``vocabulary`` by ``weights``."""
+    ids = tokenizer.encode(" Codes:", add_special_tokens=False)
+    while len(ids) < tokens:
+        chunk = " " + " ".join(rng.choices(vocabulary, weights=weights, k=16))
+        ids += tokenizer.encode(chunk, add_special_tokens=False)
+    return ids[:tokens]
+
+
+def _write_with_code_streams(config: TrainConfig, tokenizer, sequence: torch.Tensor, facts: List[str],
+                             rng: random.Random) -> torch.Tensor:
+    """retrieval_fact_style = "codes": the facts plus one code stream on each side of the query window."""
+    first_query = config.first_query_position
+    stream_tokens = max((config.sequence_tokens - first_query) // 4, 8)
+    vocabulary: List[str] = []
+    while len(vocabulary) < CODE_VOCABULARY:
+        code = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 7)))
+        if code not in vocabulary:
+            vocabulary.append(code)
+    weights = [1.0 / (k + 1) for k in range(CODE_VOCABULARY)]
+    encoded = [tokenizer.encode(fact, add_special_tokens=False) for fact in facts]
+    out = sequence.clone()
+    for start, end, where in ((1, first_query, "before the query window"),
+                              (first_query, config.sequence_tokens, "inside the query window")):
+        snippets = [list(ids) for ids in encoded] + [_code_stream(tokenizer, vocabulary, weights, stream_tokens, rng)]
+        rng.shuffle(snippets)
+        _write_with_random_gaps(out, snippets, start, end, rng, where)
+    return out
+
+
+def _write_with_random_gaps(out: torch.Tensor, snippets: List[List[int]], start: int, end: int,
+                            rng: random.Random, where: str) -> None:
+    """Writes the snippets over out[start:end] in order, separated by random gaps (snippets of unequal length)."""
+    free = (end - start) - sum(len(ids) for ids in snippets) - len(snippets)
+    if free < 0:
+        raise ValueError(f"retrieval_facts: {len(snippets)} snippets of {sum(map(len, snippets))} tokens do not fit "
+                         f"{where} ({end - start} tokens); lower retrieval_facts")
+    cuts = sorted(rng.randint(0, free) for _ in snippets)
+    at, previous = start, 0
+    for cut, ids in zip(cuts, snippets):
+        at += cut - previous + 1  # at least one token of the original text between snippets
+        previous = cut
+        out[at:at + len(ids)] = torch.tensor(ids, dtype=out.dtype)
+        at += len(ids)
 
 
 def _write_spread(out: torch.Tensor, snippets: List[List[int]], start: int, end: int, rng: random.Random,
