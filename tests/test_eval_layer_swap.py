@@ -100,13 +100,14 @@ def test_end_to_end_on_a_tiny_model(script, model, tmp_path):
     assert script.main(common + ["--layer-groups", "0,1"]) == 0
     with open(samples) as f:
         added = [json.loads(line) for line in f][len(rows):]
-    assert sorted(r["selector"] for r in added) == ["hashattention-oracle-layers-0", "hashattention-oracle-layers-1"]
+    assert sorted(r["selector"] for r in added) == ["hashattention-group", "hashattention-oracle-layers-0",
+                                                    "hashattention-oracle-layers-1"]  # the control ran too
     assert all(r["sample"] == 1 and r["task"] == "niah_single" for r in added)
     with open(os.path.join(out, "layer_swap.md")) as f:
         report = f.read()
     assert "| oracle | 1.00 | 100% |" in report and "| hashattention | 0.00 | 0% |" in report
-    assert "hashattention-oracle-layers-1" in report
+    assert "hashattention-oracle-layers-1" in report and "| hashattention-group |" in report
     # Resumes: a second run computes nothing new.
     assert script.main(common + ["--layer-groups", "0,1"]) == 0
     with open(samples) as f:
-        assert len(f.read().splitlines()) == len(rows) + 2
+        assert len(f.read().splitlines()) == len(rows) + 3
