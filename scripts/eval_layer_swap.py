@@ -41,14 +41,16 @@ from hashattention.evaluation.store import fingerprint  # noqa: E402
 class OracleInLayers(HashAttentionSelector):
     """HashAttention per query head, except in ``oracle_layers``, where the exact top-k selects."""
 
-    name = "hashattention-oracle-layers"
+    # No registry name: the evaluation's selector registry discovers every named subclass once this
+    # module is imported, and this one is built here per layer group, never by name.
+    name = ""
 
     def __init__(self, oracle_layers=()):
         super().__init__(selection="query")
         self.oracle_layers = frozenset(oracle_layers)
 
     def identity(self):
-        return {**super().identity(), "oracle_layers": sorted(self.oracle_layers)}
+        return {**super().identity(), "selector": "hashattention-oracle-layers", "oracle_layers": sorted(self.oracle_layers)}
 
     def select(self, layer, query, key, value, budget, scaling):
         if layer not in self.oracle_layers:

@@ -65,6 +65,8 @@ def test_swapped_layers_select_as_the_oracle_and_the_others_as_hashattention(scr
     assert not torch.equal(plain.select(1, query, key, key, budget, 0.125)[0],
                            oracle.select(1, query, key, key, budget, 0.125)[0])
     assert mixed.identity()["oracle_layers"] == [1]
+    from hashattention.evaluation.selectors import selector_names
+    assert not any("oracle-layers" in n for n in selector_names())  # built per group, never by registry name
 
 
 def test_losing_prompts_are_those_where_the_oracle_scores_higher(script, tmp_path):
