@@ -30,12 +30,13 @@ from typing import Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hashattention import ops  # noqa: E402
 from hashattention.evaluation import attention_hook, cli  # noqa: E402
 from hashattention.evaluation.selectors import SelectorSetup  # noqa: E402
-from hashattention.evaluation.selectors.base import grouped_logits  # noqa: E402
 from hashattention.evaluation.selectors.hashattention_selector import HashAttentionSelector  # noqa: E402
+from hashattention.evaluation.selectors.oracle import ExactTopK  # noqa: E402
 from hashattention.evaluation.store import fingerprint  # noqa: E402
+
+BASE_SELECTORS = ["full", "oracle", "hashattention"]
 
 
 class OracleInLayers(HashAttentionSelector):
@@ -48,15 +49,14 @@ class OracleInLayers(HashAttentionSelector):
     def __init__(self, oracle_layers=()):
         super().__init__(selection="query")
         self.oracle_layers = frozenset(oracle_layers)
+        self.oracle = ExactTopK()
 
     def identity(self):
         return {**super().identity(), "selector": "hashattention-oracle-layers", "oracle_layers": sorted(self.oracle_layers)}
 
     def select(self, layer, query, key, value, budget, scaling):
-        if layer not in self.oracle_layers:
-            return super().select(layer, query, key, value, budget, scaling)
-        return ops.topk_from_scores(grouped_logits(query, key, scaling), sink_tokens=budget.sink_tokens,
-                                    local_tokens=budget.local_tokens, budget_tokens=budget.heavy_tokens)
+        chosen = self.oracle if layer in self.oracle_layers else super()
+        return chosen.select(layer, query, key, value, budget, scaling)
 
 
 def parse_layer_groups(text: str, num_layers: int) -> List[Tuple[str, List[int]]]:
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
                         help="selectors run on the same prompts for comparison: the prompts are chosen because "
                              "HashAttention lost them, so any other selection wins some back by chance")
     args = parser.parse_args(argv)
-    args.selectors = ["full", "oracle", "hashattention"] + [c for c in args.controls if c not in ("full", "oracle", "hashattention")]
+    controls = [c for c in args.controls if c not in BASE_SELECTORS]
+    args.selectors = BASE_SELECTORS + controls
     evaluation = cli.evaluation_from_args(args)
     cfg = evaluation.config
     samples_path = os.path.join(cfg.output_dir, "samples.jsonl")
@@ -141,11 +142,11 @@ def main(argv=None) -> int:
              f"contexts {cfg.contexts}, {cfg.sparsities[0]:g}x) where the exact top-k oracle outscores HashAttention "
              "per query head: the summed score with the exact top-k in one layer group and HashAttention in the "
              "others. The prompts were chosen because HashAttention lost them, so any other selection wins some "
-             "back by chance: compare the groups with the control rows (" + (", ".join(args.selectors[3:]) or "none")
+             "back by chance: compare the groups with the control rows (" + (", ".join(controls) or "none")
              + "), not with zero.\n", "| selection | summed score | recovered of the oracle's lead |", "|---|---:|---:|"]
     lead = totals["oracle"] - totals["hashattention"]
-    controls = [c for c in args.selectors[3:] if c in evaluation.selectors]
-    for name in ["full", "oracle", "hashattention"] + controls + [f"hashattention-oracle-layers-{g}" for g, _ in groups]:
+    controls = [c for c in controls if c in evaluation.selectors]  # an unavailable control has no rows
+    for name in BASE_SELECTORS + controls + [f"hashattention-oracle-layers-{g}" for g, _ in groups]:
         recovered = (totals[name] - totals["hashattention"]) / lead if lead else float("nan")
         lines.append(f"| {name} | {totals[name]:.2f} | {recovered:.0%} |")
     text = "\n".join(lines) + "\n"
