@@ -40,9 +40,73 @@ def _adapters(model, directory):
 
 def test_layer_groups_parse_and_bad_groups_are_named(script):
     assert script.parse_layer_groups("0-1, 3", 4) == [("0-1", [0, 1]), ("3", [3])]
-    for bad, match in (("0-4", "outside"), ("a-b", "not a layer"), ("2-1", "outside"), ("", "at least one")):
+    assert script.parse_layer_groups(" ", 4) == []  # head sets alone
+    for bad, match in (("0-4", "outside"), ("a-b", "not a layer"), ("2-1", "outside")):
         with pytest.raises(ValueError, match=match):
             script.parse_layer_groups(bad, 4)
+
+
+def test_head_sets_parse_and_bad_sets_are_named(script):
+    assert script.parse_head_sets("copy-27, random-3") == [("copy", 27), ("random", 3)]
+    assert script.parse_head_sets("") == []
+    for bad in ("copy", "copy-0", "top-3", "random-x", "copy--1"):
+        with pytest.raises(ValueError, match="copy-N or random-N"):
+            script.parse_head_sets(bad)
+
+
+def test_chosen_heads_are_the_highest_copy_scores_or_a_seeded_draw(script):
+    scores = torch.tensor([[0.1, 0.9, 0.0], [0.5, 0.2, 0.8]])
+    assert script.choose_heads("copy", 3, scores) == [(0, 1), (1, 0), (1, 2)]
+    drawn = script.choose_heads("random", 4, scores, seed=5)
+    assert drawn == script.choose_heads("random", 4, scores, seed=5) and len(set(drawn)) == 4
+    assert all(0 <= layer < 2 and 0 <= head < 3 for layer, head in drawn)
+    with pytest.raises(ValueError, match="more than the model's 6 heads"):
+        script.choose_heads("copy", 7, scores)
+
+
+def test_copy_scores_match_the_models_own_attention_weights(script, model):
+    period = 24
+    scores = script.copy_head_scores(model, period=period, seed=2)
+    assert scores.shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
+    # Reference: the same tokens through the model's eager attention, which returns its weights.
+    vocab = model.config.vocab_size
+    tokens = torch.randint(vocab // 10, vocab, (period,), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([tokens, tokens]).view(1, -1)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(input_ids=ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    rows = torch.arange(period, 2 * period - 1)
+    expected = torch.stack([a[0][:, rows, rows - period + 1].double().mean(-1) for a in attentions])
+    torch.testing.assert_close(scores.double(), expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(expected, expected.mean())  # heads differ, so a swapped index would show
+
+
+def test_swapped_heads_select_as_the_oracle_and_the_others_as_hashattention(script, model, tmp_path):
+    setup = SelectorSetup(shape=ModelShape.from_config(model.config), adapters_dir=_adapters(model, str(tmp_path / "a")))
+    plain, oracle, mixed = create_selector("hashattention"), create_selector("oracle"), script.OracleInHeads([(1, 2), (1, 0)])
+    for selector in (plain, oracle, mixed):
+        selector.prepare(setup)
+        selector.start_sequence()
+    g = torch.Generator().manual_seed(1)
+    shape = setup.shape
+    query = torch.randn(1, shape.num_query_heads, 3, shape.head_dim, generator=g)
+    key = torch.randn(1, shape.num_kv_heads, 200, shape.head_dim, generator=g)
+    budget = Budget(2, 2, 12)
+    for layer, oracle_heads in ((0, ()), (1, (0, 2))):
+        learned = plain.select(layer, query, key, key, budget, 0.125)
+        exact = oracle.select(layer, query, key, key, budget, 0.125)
+        got = mixed.select(layer, query, key, key, budget, 0.125)
+        for head in range(shape.num_query_heads):
+            reference = exact if head in oracle_heads else learned
+            torch.testing.assert_close(got[0][:, head], reference[0][:, head])
+            torch.testing.assert_close(got[1][:, head], reference[1][:, head])
+        if oracle_heads:  # the two selections differ on the swapped heads, so the test can tell them apart
+            assert any(not torch.equal(learned[0][:, h], exact[0][:, h]) for h in oracle_heads)
+    assert mixed.identity()["oracle_heads"] == [[1, 0], [1, 2]]
 
 
 def test_swapped_layers_select_as_the_oracle_and_the_others_as_hashattention(script, model, tmp_path):
@@ -113,3 +177,11 @@ def test_end_to_end_on_a_tiny_model(script, model, tmp_path):
     assert script.main(common + ["--layer-groups", "0,1"]) == 0
     with open(samples) as f:
         assert len(f.read().splitlines()) == len(rows) + 3
+    # Head sets alone: two more rows, the layer-group rows reused from the cache.
+    assert script.main(common + ["--layer-groups", "", "--head-sets", "copy-2,random-2"]) == 0
+    with open(samples) as f:
+        added = [json.loads(line) for line in f][len(rows) + 3:]
+    assert sorted(r["selector"] for r in added) == ["hashattention-oracle-heads-copy-2",
+                                                    "hashattention-oracle-heads-random-2"]
+    with pytest.raises(SystemExit, match="nothing to swap"):
+        script.main(common + ["--layer-groups", ""])
