@@ -217,12 +217,15 @@ def main(argv=None) -> int:
         raise SystemExit("--layer-groups and --head-sets are both empty: nothing to swap")
     swaps: List[Tuple[str, Selector]] = [(f"hashattention-oracle-layers-{label}", OracleInLayers(layers))
                                          for label, layers in groups]
+    head_notes = []
     if head_sets:
         copy_scores = copy_head_scores(evaluation.model, seed=cfg.seed)
         for kind, count in head_sets:
             chosen = choose_heads(kind, count, copy_scores, seed=cfg.seed)
-            print(f"{kind}-{count}: copy scores {copy_scores[tuple(zip(*chosen))].mean():.3f} mean "
-                  f"(all heads {copy_scores.mean():.3f}); (layer, head) {chosen}", flush=True)
+            head_notes.append(f"- `{kind}-{count}`: mean copy score {copy_scores[tuple(zip(*chosen))].mean():.3f} "
+                              f"(all heads {copy_scores.mean():.3f}); (layer, query head) "
+                              + ", ".join(f"{layer}.{head}" for layer, head in chosen))
+            print(head_notes[-1], flush=True)
             swaps.append((f"hashattention-oracle-heads-{kind}-{count}", OracleInHeads(chosen)))
     print(f"{len(prompts)} prompts where the oracle outscores HashAttention; swaps {[n for n, _ in swaps]}", flush=True)
     torch.manual_seed(cfg.seed)
@@ -265,6 +268,9 @@ def main(argv=None) -> int:
     for name in BASE_SELECTORS + controls + [n for n, _ in swaps]:
         recovered = (totals[name] - totals["hashattention"]) / lead if lead else float("nan")
         lines.append(f"| {name} | {totals[name]:.2f} | {recovered:.0%} |")
+    if head_notes:
+        lines += ["", "Head sets (copy score: attention to the token after the current token's first occurrence "
+                  "in a repeated random-token sequence, `copy_head_scores`):", *head_notes]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(cfg.output_dir, "layer_swap.md"), "w") as f:
         f.write(text)
