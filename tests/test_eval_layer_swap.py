@@ -85,16 +85,24 @@ def test_copy_scores_match_the_models_own_attention_weights(script, model):
     assert not torch.allclose(expected, expected.mean())  # heads differ, so a swapped index would show
 
 
-def test_swapped_heads_select_as_the_oracle_and_the_others_as_hashattention(script, model, tmp_path):
-    setup = SelectorSetup(shape=ModelShape.from_config(model.config), adapters_dir=_adapters(model, str(tmp_path / "a")))
-    plain, oracle, mixed = create_selector("hashattention"), create_selector("oracle"), script.OracleInHeads([(1, 2), (1, 0)])
+def _prepared_with_inputs(mixed, model, directory, seed):
+    """``(plain, oracle, mixed, query, key, shape)``: the three selectors prepared on random adapters,
+    and random post-RoPE queries (3 rows) and keys (200) of the tiny model's shape."""
+    setup = SelectorSetup(shape=ModelShape.from_config(model.config), adapters_dir=_adapters(model, directory))
+    plain, oracle = create_selector("hashattention"), create_selector("oracle")
     for selector in (plain, oracle, mixed):
         selector.prepare(setup)
         selector.start_sequence()
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     shape = setup.shape
     query = torch.randn(1, shape.num_query_heads, 3, shape.head_dim, generator=g)
     key = torch.randn(1, shape.num_kv_heads, 200, shape.head_dim, generator=g)
+    return plain, oracle, mixed, query, key, shape
+
+
+def test_swapped_heads_select_as_the_oracle_and_the_others_as_hashattention(script, model, tmp_path):
+    plain, oracle, mixed, query, key, shape = _prepared_with_inputs(
+        script.OracleInHeads([(1, 2), (1, 0)]), model, str(tmp_path / "a"), seed=1)
     budget = Budget(2, 2, 12)
     for layer, oracle_heads in ((0, ()), (1, (0, 2))):
         learned = plain.select(layer, query, key, key, budget, 0.125)
@@ -110,15 +118,8 @@ def test_swapped_heads_select_as_the_oracle_and_the_others_as_hashattention(scri
 
 
 def test_swapped_layers_select_as_the_oracle_and_the_others_as_hashattention(script, model, tmp_path):
-    setup = SelectorSetup(shape=ModelShape.from_config(model.config), adapters_dir=_adapters(model, str(tmp_path / "a")))
-    plain, oracle, mixed = create_selector("hashattention"), create_selector("oracle"), script.OracleInLayers([1])
-    for selector in (plain, oracle, mixed):
-        selector.prepare(setup)
-        selector.start_sequence()
-    g = torch.Generator().manual_seed(0)
-    shape = setup.shape
-    query = torch.randn(1, shape.num_query_heads, 3, shape.head_dim, generator=g)
-    key = torch.randn(1, shape.num_kv_heads, 200, shape.head_dim, generator=g)
+    plain, oracle, mixed, query, key, _ = _prepared_with_inputs(
+        script.OracleInLayers([1]), model, str(tmp_path / "a"), seed=0)
     budget = Budget(2, 2, 12)
     for layer, reference in ((0, plain), (1, oracle)):
         expected = reference.select(layer, query, key, key, budget, 0.125)
