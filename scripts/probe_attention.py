@@ -10,11 +10,9 @@ csrc/cuda/sparse_attention.cu, and for each stopping point of the kernel
 
 A shape is BLOCKS_PER_SM:MIN_ROWS_PER_SPLIT, or "default" (the op's own choice), optionally followed
 by "/c" and the largest cluster of splits (HASHATTENTION_ATTENTION_CLUSTER; "/c0": the counters'
-merge, never a cluster) and by "/s" and a stage count of the staged main loop
-(HASHATTENTION_ATTENTION_STAGES; "/s0": the plain loop):
+merge, never a cluster):
 
     python scripts/probe_attention.py --batches 1 --ns 32768 131072 --shapes default default/c0
-    python scripts/probe_attention.py --modes head --shapes default default/s2 default/s3 default/s4
 
 Each shape's output is compared with the first shape's, so a launch shape that changes the result
 is reported. Inputs rotate over --layers buffers so that K/V come from DRAM.
@@ -36,7 +34,6 @@ from bench_decode import time_graph  # noqa: E402
 QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 KNOBS = ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "HASHATTENTION_ATTENTION_MIN_ROWS")
 CLUSTER = "HASHATTENTION_ATTENTION_CLUSTER"
-STAGES = "HASHATTENTION_ATTENTION_STAGES"
 PROBE = "HASHATTENTION_ATTENTION_PROBE"
 
 
@@ -97,14 +94,14 @@ def main() -> int:
 
                 reference = None
                 for shape in args.shapes:
-                    for name in KNOBS + (CLUSTER, STAGES):
+                    for name in KNOBS + (CLUSTER,):
                         os.environ.pop(name, None)
-                    split_shape, *suffixes = shape.split("/")
+                    split_shape, _, cluster = shape.partition("/c")
                     if split_shape != "default":
                         for name, value in zip(KNOBS, split_shape.split(":")):
                             os.environ[name] = value
-                    for suffix in suffixes:
-                        os.environ[{"c": CLUSTER, "s": STAGES}[suffix[0]]] = suffix[1:]
+                    if cluster:
+                        os.environ[CLUSTER] = cluster
                     out = step(0)[0].float()
                     if reference is None:
                         reference = out
@@ -117,7 +114,7 @@ def main() -> int:
                     print(f"{batch:2d} {n:7d} {mode:>5} {shape:>9} {times['0']:8.1f} {times['1']:8.1f} "
                           f"{times['2'] - times['1']:8.1f} {times['0'] - times['2']:8.1f} "
                           f"{nbytes / times['0'] / 1e3:7.0f} {diff:9.2e}", flush=True)
-                for name in KNOBS + (CLUSTER, STAGES):
+                for name in KNOBS + (CLUSTER,):
                     os.environ.pop(name, None)
                 del layers
                 torch.cuda.empty_cache()

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 
-#include "async_copy.cuh"
 #include "programmatic_launch.cuh"
 
 namespace hashattention {
@@ -131,6 +130,23 @@ __device__ __forceinline__ void prefetch_weights_to_l2(const FusedMlpParams& p, 
              fan_in * fan_out * element_bytes);
     prefetch(static_cast<const char*>(p.biases[layer]) + h * fan_out * element_bytes, fan_out * element_bytes);
   }
+#endif
+}
+
+// 16 bytes global -> shared without passing through registers (sm_80+); completes at
+// copy_async_wait_all. `.cg`: cached in L2 only (each block reads its head's weights once).
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(src) : "memory");
+#else  // older architectures (TORCH_CUDA_ARCH_LIST below 8.0): a plain copy
+  *static_cast<uint4*>(dst) = __ldg(static_cast<const uint4*>(src));
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
 

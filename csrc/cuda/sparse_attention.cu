@@ -18,7 +18,6 @@
 #include <map>
 #include <mutex>
 #include <numeric>
-#include <set>
 #include <tuple>
 #include <utility>
 
@@ -45,11 +44,8 @@ bool aligned_16(const at::Tensor& t, int64_t element_size, std::initializer_list
 // HASHATTENTION_ATTENTION_CLUSTER (clusters of at most this many splits; 0 or 1: the counters' merge),
 // HASHATTENTION_ATTENTION_BLOCKS_PER_SM (target blocks per multiprocessor, 4),
 // HASHATTENTION_ATTENTION_MIN_ROWS (rows per split at least; kMinRowsPerSplit or
-// kMinRowsPerSplitPipelined), HASHATTENTION_ATTENTION_PROBE (1: the kernel returns after its
-// prologue, 2: after its main loop, leaving the output unwritten) and HASHATTENTION_ATTENTION_STAGES
-// (0: the plain loop through registers; 1..kMaxStages: the staged loop with that many steps of K/V
-// rows copied ahead into shared memory, where it applies -- one head per block, 2-byte K/V, 16-byte
-// aligned rows -- and the plain loop elsewhere).
+// kMinRowsPerSplitPipelined) and HASHATTENTION_ATTENTION_PROBE (1: the kernel returns after its
+// prologue, 2: after its main loop, leaving the output unwritten).
 int64_t timing_aid(const char* name, int64_t fallback, int64_t lowest, int64_t highest) {
   const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0') return fallback;
@@ -60,49 +56,35 @@ int64_t timing_aid(const char* name, int64_t fallback, int64_t lowest, int64_t h
   return parsed;
 }
 
-// Lets `kernel` take the staged loop's largest dynamic shared memory (kMaxStages stages; more
-// than the 48 KB every kernel may take without asking), once per (device, kernel).
-void allow_staged_shared_memory(AttentionKernel kernel) {
+// Resident blocks of `kernel` per multiprocessor: fixed by the kernel and the device, so asked
+// from the driver once per (device, kernel).
+int64_t resident_blocks_per_sm(AttentionKernel kernel) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mutex;
-  static std::set<std::pair<int, const void*>> done;
+  static std::map<std::pair<int, const void*>, int> cache;
   const std::lock_guard<std::mutex> lock(mutex);
-  if (done.insert(std::make_pair(device, reinterpret_cast<const void*>(kernel))).second) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kMaxStages * kStagedBytesPerStage));
-  }
-}
-
-// Resident blocks of `kernel` per multiprocessor with `shared_bytes` of dynamic shared memory:
-// fixed by the kernel and the device, so asked from the driver once per (device, kernel, bytes).
-int64_t resident_blocks_per_sm(AttentionKernel kernel, int shared_bytes) {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int>, int> cache;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), shared_bytes);
+  const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
   auto it = cache.find(key);
   if (it == cache.end()) {
     int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, shared_bytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttentionThreads, 0));
     it = cache.emplace(key, std::max(blocks, 1)).first;
   }
   return it->second;
 }
 
-// Clusters of `size` blocks of `kernel` (each with `shared_bytes` of dynamic shared memory) that
-// the device holds at once (0 where clusters of that size cannot run: before sm_90, or a kernel
-// whose code is not sm_90's -- its cluster merge would trap), asked from the driver once per
-// (device, kernel, size, bytes).
-int64_t resident_clusters(AttentionKernel kernel, int size, int shared_bytes) {
+// Clusters of `size` blocks of `kernel` that the device holds at once (0 where clusters of that
+// size cannot run: before sm_90, or a kernel whose code is not sm_90's -- its cluster merge would
+// trap), asked from the
+// driver once per (device, kernel, size).
+int64_t resident_clusters(AttentionKernel kernel, int size) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int, int>, int> cache;
+  static std::map<std::tuple<int, const void*, int>, int> cache;
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), size, shared_bytes);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), size);
   auto it = cache.find(key);
   if (it == cache.end()) {
     int clusters = 0;
@@ -110,7 +92,7 @@ int64_t resident_clusters(AttentionKernel kernel, int size, int shared_bytes) {
       if (size > 8) {  // beyond the portable cluster size: opt in
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       }
-      KernelLaunch launch(dim3(1, static_cast<unsigned>(size)), dim3(kAttentionThreads), shared_bytes, nullptr);
+      KernelLaunch launch(dim3(1, static_cast<unsigned>(size)), dim3(kAttentionThreads), 0, nullptr);
       launch.cluster(dim3(1, static_cast<unsigned>(size), 1));
       if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess) {
         (void)cudaGetLastError();  // not launchable as such a cluster: use the counters
@@ -184,24 +166,17 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
                    aligned_16(value_cache, element_size, {p.v_s0, p.v_s1, p.v_s2});
 
   // The kernel (one per dtype, head dim and heads per block): see sparse_attention_kernel.cuh for
-  // why blocks of several heads run the pipelined main loop, and what the staged loop is.
+  // why blocks of several heads run the pipelined main loop.
   const int head_dim = static_cast<int>(dims.head_dim);
-  const int64_t stages = timing_aid("HASHATTENTION_ATTENTION_STAGES", 0, 0, kMaxStages);
-  const bool staged = stages > 0 && max_heads == 1 && element_size == 2 && p.vector_loads;
   AttentionKernel kernel = nullptr;
   switch (query.scalar_type()) {
-    case at::kFloat: kernel = attention_kernel<float>(head_dim, max_heads, false); break;
-    case at::kHalf: kernel = attention_kernel<c10::Half>(head_dim, max_heads, staged); break;
-    case at::kBFloat16: kernel = attention_kernel<c10::BFloat16>(head_dim, max_heads, staged); break;
+    case at::kFloat: kernel = attention_kernel<float>(head_dim, max_heads); break;
+    case at::kHalf: kernel = attention_kernel<c10::Half>(head_dim, max_heads); break;
+    case at::kBFloat16: kernel = attention_kernel<c10::BFloat16>(head_dim, max_heads); break;
     default: TORCH_CHECK_TYPE(false, "query must be float32, float16 or bfloat16, got ", as_text(query.scalar_type()));
   }
   TORCH_CHECK(kernel != nullptr, "sparse_attention: internal error, no kernel for head_dim ", head_dim, " and ",
-              max_heads, " heads per block", staged ? " (staged)" : "");
-  const int shared_bytes = staged ? static_cast<int>(stages) * kStagedBytesPerStage : 0;
-  if (staged) {
-    allow_staged_shared_memory(kernel);
-    p.stages = static_cast<int>(stages);
-  }
+              max_heads, " heads per block");
   const bool pipelined = max_heads > 1;
 
   // Splits from shapes only: about 4 blocks per multiprocessor (fewer when fewer are resident),
@@ -210,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   // rows each (kMinRowsPerSplitPipelined for the pipelined loop), at most kMaxSplits (the
   // in-kernel merge's shared-memory table).
   const int64_t sms = multiprocessor_count();
-  const int64_t resident = sms * resident_blocks_per_sm(kernel, shared_bytes);
+  const int64_t resident = sms * resident_blocks_per_sm(kernel);
   const int64_t units = dims.batch * dims.rows * p.units_per_row;
   const int64_t blocks_per_sm = timing_aid("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", 4, 1, 64);
   const int64_t min_rows = timing_aid("HASHATTENTION_ATTENTION_MIN_ROWS",
@@ -246,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   for (int64_t size = std::min(splits, largest_cluster); splits > 1 && size >= smallest_cluster; --size) {
     const int64_t cluster_rows = ceil_div(dims.width, size);
     const int64_t cluster_splits = ceil_div(dims.width, cluster_rows);
-    if (cluster_splits >= 2 && units <= resident_clusters(kernel, static_cast<int>(cluster_splits), shared_bytes)) {
+    if (cluster_splits >= 2 && units <= resident_clusters(kernel, static_cast<int>(cluster_splits))) {
       splits = cluster_splits;
       rows_per_split = cluster_rows;
       cluster_merge = true;
@@ -284,7 +259,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   // 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md), but only where no counters'
   // memset sits between the selection and this kernel (programmatic edges join two kernels; the
   // memset must stay ordered before every block).
-  KernelLaunch launch(grid, dim3(kAttentionThreads), static_cast<size_t>(shared_bytes), stream);
+  KernelLaunch launch(grid, dim3(kAttentionThreads), 0, stream);
   if (cluster_merge) launch.cluster(dim3(1, static_cast<unsigned>(splits), 1));
   if (!counters_memset && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel))) launch.programmatic();
   C10_CUDA_CHECK(cudaLaunchKernelExC(&launch.config, reinterpret_cast<const void*>(kernel), args));

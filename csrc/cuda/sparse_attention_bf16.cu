@@ -6,8 +6,7 @@ namespace hashattention {
 namespace cuda {
 
 template <>
-AttentionKernel attention_kernel<c10::BFloat16>(int head_dim, int max_heads, bool staged) {
-  if (staged) return select_staged_attention_kernel<c10::BFloat16>(head_dim);
+AttentionKernel attention_kernel<c10::BFloat16>(int head_dim, int max_heads) {
   return select_attention_kernel<c10::BFloat16>(head_dim, max_heads);
 }
 

@@ -27,19 +27,6 @@
 // group-shared B = 1 / 512K 44.5 -> 39.4 us, B = 4 / 128K 43.4 -> 39.1 us, B = 1 / 32K 15.2 ->
 // 11.7 us (with 32-row splits). For one head per block the pipelined loop was slower (128
 // registers, four resident blocks) and is not used there.
-//
-// A third main loop for one head per block, 2-byte K/V and 16-byte aligned rows (kStaged; chosen
-// at run time by the timing aid HASHATTENTION_ATTENTION_STAGES, off by default until measured):
-// the warps walk their tiles and steps as in the plain loop, but each lane copies its 16-byte
-// pieces of a step's K/V rows into shared memory with cp.async, `stages` steps ahead of the step
-// it consumes, so a warp keeps stages - 1 steps of rows in flight while it computes -- the plain
-// loop has none then (it loads a step right before consuming it), and registers cannot hold more
-// steps without costing resident blocks. Each lane reads back only the pieces it copied, so no
-// barrier is needed: its own wait makes them visible to it. Rows that are padding or past the
-// tile are zero-filled by the copy and masked by a validity bit ring. Cost: 16 KB of shared memory
-// per stage per block (4 warps x 4 row passes x K and V x 32 lanes x 16 bytes), which sets the
-// resident blocks per multiprocessor: 5 at 1-2 stages (as the plain loop: 96 registers), 4 at 3,
-// 3 at 4 (228 KB of shared memory per multiprocessor on sm_90).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -51,7 +38,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include "async_copy.cuh"
 #include "int_math.cuh"
 #include "programmatic_launch.cuh"
 
@@ -66,9 +52,6 @@ constexpr int kMaxSplits = 256;
 constexpr int kMaxClusterSplits = 16;  // the largest (non-portable) cluster of sm_90
 constexpr int kMinRowsPerSplit = 128;           // plain loop: at least one 32-entry tile per warp
 constexpr int kMinRowsPerSplitPipelined = 32;  // pipelined loop: steps are dealt to the warps in turn
-constexpr int kMaxStages = 4;                   // staged loop: steps of K/V rows in shared memory at most
-// Shared memory of one stage of the staged loop: every warp's lanes, 4 row passes, K and V, 16 bytes.
-constexpr int kStagedBytesPerStage = kAttentionWarps * 4 * 2 * 32 * 16;
 
 struct AttentionParams {
   const void* query;
@@ -99,7 +82,6 @@ struct AttentionParams {
   int* counters;           // (units,), zero on entry and on exit; unused when cluster_merge
   int cluster_merge;       // 1: the splits of a unit are one cluster (grid.y == cluster size == splits)
   int probe_stop;          // timing aid (scripts/probe_attention.py): 1 after the prologue, 2 after the main loop
-  int stages;              // staged loop only: steps of K/V rows copied ahead (1..kMaxStages)
 };
 
 template <typename T>
@@ -261,27 +243,22 @@ __device__ __forceinline__ void merge_cluster_splits(float (&state)[kMaxHeads][D
 // Resident blocks per multiprocessor the compiler must allow (__launch_bounds__): one head per
 // block needs 5 (at most 96 registers: at 100 the H200 held 4 blocks, and the B = 4 / 128K
 // per-head attention ran 12% slower); several heads with 2-byte K/V in the pipelined loop 3 (168
-// registers, no spills), as the staged loop (its rows wait in shared memory, not in registers);
-// otherwise no bound.
+// registers, no spills); otherwise no bound.
 template <typename T, int kMaxHeads, bool kPipelined>
 constexpr int kMinBlocks() {
   if (!kPipelined && kMaxHeads == 1) return sizeof(T) == 2 ? 5 : 1;
   return kPipelined && kMaxHeads <= 4 && sizeof(T) == 2 ? 3 : 1;
 }
 
-template <typename T, int D, int kMaxHeads, bool kPipelined, bool kStaged>
+template <typename T, int D, int kMaxHeads, bool kPipelined>
 __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kPipelined>())
     sparse_attention_kernel(const AttentionParams p) {
-  static_assert(!kStaged || (kMaxHeads == 1 && !kPipelined && sizeof(T) == 2),
-                "the staged loop serves one head per block with 2-byte K/V");
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerPass = 32 / kLanesPerRow;          // rows one warp instruction covers
   // Row passes loaded per step: fewer where registers are short (many heads, or two buffers).
   constexpr int kUnroll = kMaxHeads >= 8 || (kPipelined && kMaxHeads >= 4) ? 2 : 4;
   constexpr int kRowsPerStep = kRowsPerPass * kUnroll;  // divides 32
   static_assert(32 % kRowsPerStep == 0, "a step must divide a 32-entry tile");
-  static_assert(!kStaged || kUnroll * 2 * 32 * 16 * kAttentionWarps == kStagedBytesPerStage,
-                "kStagedBytesPerStage must match the staged loop's row passes");
   __shared__ float warp_state[kAttentionWarps][kMaxHeads][D + 2];
   // Cluster merge: this split's state per head (acc, then max and sum); rows of D + 4 floats keep
   // every head's columns 16-byte aligned for the merge's float4 reads.
@@ -430,68 +407,7 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     if (q[0][0] == 1.2345f) p.lse[0] = 0.0f;  // keeps the prologue's loads
     return;
   }
-  if constexpr (kStaged) {
-    // The plain loop's walk (tiles of 32 entries dealt to the warps in turn, steps of
-    // kRowsPerStep rows), with the loads issued `stages` steps ahead into this warp's ring of
-    // shared-memory slots. The issuing side keeps its own place in the walk (tile, step, and the
-    // tile's resolved row offsets, one entry per lane); the consuming side only needs each slot's
-    // validity bits. Every issue commits a group, empty once the walk is done, so that "the
-    // oldest group" is always the step about to be consumed.
-    extern __shared__ uint4 staged_rows[];  // [warp][slot][pass][K, V][lane]
-    const int stages = p.stages;
-    uint4* const warp_rows = staged_rows + warp * stages * kUnroll * 2 * 32;
-    auto piece = [&](int slot, int u, int kv) { return warp_rows + ((slot * kUnroll + u) * 2 + kv) * 32 + lane; };
-    int64_t issue_tile = j_begin + warp * 32, issue_k = -1, issue_v = -1;
-    int issue_base = 0, issue_rows = 0;
-    uint32_t valid_ring = 0;  // bit slot * kUnroll + u: pass u of the step in that slot is a row
-    auto issue = [&](int slot) {
-      if (issue_tile < j_end) {  // warp-uniform
-        if (issue_base == 0) {
-          resolve(issue_tile + lane, issue_k, issue_v);
-          issue_rows = static_cast<int>(min64(32, j_end - issue_tile));
-        }
-        uint32_t bits = 0;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int r = issue_base + u * kRowsPerPass + row_group;  // < 32
-          const int64_t k_off = __shfl_sync(0xffffffffu, issue_k, r);
-          const int64_t v_off = __shfl_sync(0xffffffffu, issue_v, r);
-          const bool valid = r < issue_rows && k_off >= 0;
-          copy_async_16_or_zero(piece(slot, u, 0), key + (valid ? k_off + column : 0), valid);
-          copy_async_16_or_zero(piece(slot, u, 1), value + (valid ? v_off + column : 0), valid);
-          bits |= uint32_t(valid) << u;
-        }
-        const int shift = slot * kUnroll;
-        valid_ring = (valid_ring & ~(((1u << kUnroll) - 1u) << shift)) | (bits << shift);
-        issue_base += kRowsPerStep;
-        if (issue_base >= issue_rows) {
-          issue_base = 0;
-          issue_tile += kAttentionWarps * 32;
-        }
-      }
-      copy_async_commit();
-    };
-    for (int slot = 0; slot < stages; ++slot) issue(slot);
-    int slot = 0;
-    for (int64_t tile = j_begin + warp * 32; tile < j_end; tile += kAttentionWarps * 32) {
-      const int tile_rows = static_cast<int>(min64(32, j_end - tile));
-      for (int base = 0; base < tile_rows; base += kRowsPerStep) {
-        copy_async_wait_pending(stages - 1);  // this step's group is the oldest
-        Elements<T> k_rows[kUnroll], v_rows[kUnroll];
-        bool valid[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          k_rows[u].raw = *piece(slot, u, 0);
-          v_rows[u].raw = *piece(slot, u, 1);
-          valid[u] = (valid_ring >> (slot * kUnroll + u)) & 1u;
-        }
-        consume_step(k_rows, v_rows, valid);
-        issue(slot);  // after the step is consumed: its slot's reads are done
-        slot = slot + 1 == stages ? 0 : slot + 1;
-      }
-    }
-    copy_async_wait_all();  // only empty groups are left; none may outlive the block
-  } else if constexpr (!kPipelined) {
+  if constexpr (!kPipelined) {
     for (int64_t tile = j_begin + warp * 32; tile < j_end; tile += kAttentionWarps * 32) {
       int64_t lane_k, lane_v;
       resolve(tile + lane, lane_k, lane_v);
@@ -692,7 +608,7 @@ using AttentionKernel = void (*)(AttentionParams);
 template <typename T>
 AttentionKernel select_attention_kernel(int head_dim, int max_heads) {
 #define HA_KERNEL(D, H) \
-  if (head_dim == D && max_heads == H) return sparse_attention_kernel<T, D, H, (H > 1), false>;
+  if (head_dim == D && max_heads == H) return sparse_attention_kernel<T, D, H, (H > 1)>;
   HA_KERNEL(64, 1) HA_KERNEL(64, 4) HA_KERNEL(64, 8)
   HA_KERNEL(128, 1) HA_KERNEL(128, 4) HA_KERNEL(128, 8)
   HA_KERNEL(256, 1) HA_KERNEL(256, 4) HA_KERNEL(256, 8)
@@ -700,27 +616,14 @@ AttentionKernel select_attention_kernel(int head_dim, int max_heads) {
   return nullptr;
 }
 
-// The staged loop's kernel (one head per block, 2-byte K/V) for a head dim; nullptr for float32 or
-// an unsupported head dim.
 template <typename T>
-AttentionKernel select_staged_attention_kernel(int head_dim) {
-  if constexpr (sizeof(T) == 2) {
-    if (head_dim == 64) return sparse_attention_kernel<T, 64, 1, false, true>;
-    if (head_dim == 128) return sparse_attention_kernel<T, 128, 1, false, true>;
-    if (head_dim == 256) return sparse_attention_kernel<T, 256, 1, false, true>;
-  }
-  return nullptr;
-}
-
-// `staged`: the staged loop's kernel (select_staged_attention_kernel), else the plain or pipelined one.
-template <typename T>
-AttentionKernel attention_kernel(int head_dim, int max_heads, bool staged);
+AttentionKernel attention_kernel(int head_dim, int max_heads);
 template <>
-AttentionKernel attention_kernel<float>(int, int, bool);
+AttentionKernel attention_kernel<float>(int, int);
 template <>
-AttentionKernel attention_kernel<c10::Half>(int, int, bool);
+AttentionKernel attention_kernel<c10::Half>(int, int);
 template <>
-AttentionKernel attention_kernel<c10::BFloat16>(int, int, bool);
+AttentionKernel attention_kernel<c10::BFloat16>(int, int);
 
 }  // namespace cuda
 }  // namespace hashattention
