@@ -1,0 +1,76 @@
+"""HashAttention plus the successors of the keys the previous row attended to most (an experiment).
+
+Copying -- a needle's value, a code word, a list item -- runs on heads that attend, at each decode
+step, to the position right after the one they attended to at the step before: if step t - 1
+copied the token at position p, step t wants position p + 1. The learned signatures must find that
+position again from scratch at every step, and the evaluation's wrong answers are broken copies
+("dvz" for "dvlrm"), i.e. the copy loses its place. ``hashattention-follow`` keeps plain
+HashAttention per query head and hands ``follow_tokens`` of the heavy budget ``m`` to the
+successors ``p + 1`` of the ``follow_tokens`` keys with the largest logits among the keys the same
+head's previous row attended to (the sparse attention's own keys; the prompt's last row, which runs
+dense, seeds the first step). The successors are scored +inf, so they are kept whatever their
+Hamming score; the rest of ``m`` goes by Hamming score as usual. Same budget contract, same sparse
+attention, no extra memory per token: the state is ``follow_tokens`` positions per head and layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import ops
+from .base import grouped_logits
+from .hashattention_selector import HashAttentionSelector
+from .signature_cache import cached_key_signatures
+
+
+class FollowAttended(HashAttentionSelector):
+    name = "hashattention-follow"
+    variants = {"": {"follow_tokens": 8}, "-32": {"follow_tokens": 32}}
+    sequential_rows = True  # a row's selection depends on the previous row's attention
+
+    def __init__(self, follow_tokens: int = 8):
+        super().__init__(selection="query")
+        if not isinstance(follow_tokens, int) or follow_tokens < 1:
+            raise ValueError(f"follow_tokens must be a positive int, got {follow_tokens!r}")
+        self.follow_tokens = follow_tokens
+
+    def identity(self):
+        return {**super().identity(), "follow_tokens": self.follow_tokens}
+
+    def _remember(self, layer: int, logits: torch.Tensor) -> None:
+        """Keep the positions of the ``follow_tokens`` largest logits ``(B, Hq, 1, N)`` of the last row."""
+        top = logits.topk(min(self.follow_tokens, logits.shape[-1]), dim=-1)
+        positions = torch.where(torch.isfinite(top.values), top.indices, -1)
+        self.state[("follow", layer)] = positions[:, :, -1]  # (B, Hq, r); -1: nothing to follow
+
+    def observe_dense(self, layer, query, key, scaling):
+        # The prompt's last row sees every key: its strongest keys seed the first sparse row.
+        self._remember(layer, grouped_logits(query[:, :, -1:], key, scaling))
+
+    def observe_sparse(self, layer, query, key, indices, counts, lse, scaling):
+        logits = grouped_logits(query[:, :, -1:], key, scaling)  # (B, Hq, 1, N)
+        selected = torch.full_like(logits, float("-inf"))
+        slots = torch.arange(indices.shape[-1], device=indices.device)
+        valid = slots < counts[:, :, -1:, None]
+        positions = indices[:, :, -1:].long().clamp(min=0)
+        selected.scatter_(-1, positions, torch.where(valid, logits.gather(-1, positions), float("-inf")))
+        self._remember(layer, selected)
+
+    def select(self, layer, query, key, value, budget, scaling):
+        adapter = self.adapters[layer]
+        key_signatures = cached_key_signatures(self.state, layer, key, adapter.key_signatures)
+        scores = ops.hamming_scores(adapter.query_signatures(query), key_signatures,
+                                    self.selection_heads(self.shape)).float()  # (B, Hq, P, N)
+        followed = self.state.get(("follow", layer))
+        keys = key.shape[2]
+        if followed is not None and budget.heavy_tokens > 0:
+            successors = followed[:, :, None, : min(self.follow_tokens, budget.heavy_tokens)] + 1
+            successors = successors.expand(-1, -1, scores.shape[2], -1)
+            usable = (followed[:, :, None, : successors.shape[-1]] >= 0) & (successors < keys)
+            # Counted, not scattered as values: two successors may land on one position (the clamped
+            # unusable ones included). Positions past a row are masked by the selection itself.
+            hits = torch.zeros(scores.shape, dtype=torch.int32, device=scores.device)
+            hits.scatter_add_(-1, successors.clamp(max=keys - 1), usable.to(torch.int32))
+            scores = scores.masked_fill(hits > 0, torch.inf)
+        return ops.topk_from_scores(scores, sink_tokens=budget.sink_tokens, local_tokens=budget.local_tokens,
+                                    budget_tokens=budget.heavy_tokens)
