@@ -258,11 +258,8 @@ def test_h2o_accumulates_dense_then_sparse_attention(name, recent_fraction):
     """Prefill statistics are column sums of dense attention; each sparse step adds its own probabilities.
     ``h2o`` gives half of the heavy budget to the most recent tokens, as the H2O paper splits its cache."""
     selector = prepared(name)
-    g = torch.Generator().manual_seed(8)
     keys_total, prefill = 30, 24
-    query = torch.randn(1, 4, keys_total, 64, generator=g)
-    key = torch.randn(1, 2, keys_total, 64, generator=g)
-    value = torch.randn(1, 2, keys_total, 64, generator=g)
+    query, key, value = inputs(8, batch=1, keys=keys_total, rows=keys_total)
     selector.observe_dense(0, query[:, :, :prefill], key[:, :, :prefill], SCALING)
 
     expected = torch.zeros(4, keys_total, dtype=torch.float64)
@@ -328,11 +325,8 @@ def test_hashattention_follow_forces_the_successors_of_the_last_rows_strongest_k
     directory, adapters = adapter_dirs["query"]
     selector = prepared(name, adapters_dir=directory)
     assert selector.identity()["follow_tokens"] == follow
-    g = torch.Generator().manual_seed(11)
     keys_total, prefill = 60, 50
-    query = torch.randn(1, 4, keys_total, 64, generator=g)
-    key = torch.randn(1, 2, keys_total, 64, generator=g)
-    value = torch.randn(1, 2, keys_total, 64, generator=g)
+    query, key, value = inputs(11, batch=1, keys=keys_total, rows=keys_total)
     selector.observe_dense(0, query[:, :, :prefill], key[:, :, :prefill], SCALING)
 
     def logit(h, p, j):
