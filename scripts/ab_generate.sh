@@ -23,13 +23,10 @@ common=(--contexts "$CONTEXT" --batches "$BATCH" --no-attention-share --paced-st
 run() {  # run TAG METHOD [VALUE]
   local tag=$1 method=$2 value=${3-}
   echo "== $tag: $method ${value:+$VARIABLE=$value} ($(date -u +%H:%M:%S))"
-  if [ -n "$value" ]; then
-    env "$VARIABLE=$value" timeout "${RUN_SECONDS:-150}" python3 scripts/bench_generate.py "${common[@]}" \
-      --methods "$method" --out "$OUT/$tag" > "$OUT/$tag.log" 2>&1
-  else
-    env -u "$VARIABLE" timeout "${RUN_SECONDS:-150}" python3 scripts/bench_generate.py "${common[@]}" \
-      --methods "$method" --out "$OUT/$tag" > "$OUT/$tag.log" 2>&1
-  fi
+  local setting=(-u "$VARIABLE")  # dense runs with the variable unset
+  [ -n "$value" ] && setting=("$VARIABLE=$value")
+  env "${setting[@]}" timeout "${RUN_SECONDS:-150}" python3 scripts/bench_generate.py "${common[@]}" \
+    --methods "$method" --out "$OUT/$tag" > "$OUT/$tag.log" 2>&1
   echo "rc=$?"; grep -E "ms/step|Error|error" "$OUT/$tag.log" | tail -3
 }
 run dense dense

@@ -37,7 +37,7 @@ def summarise(rows: dict[str, dict], variable: str, values: dict[str, str]) -> s
         ratio = f"{row['tokens_per_s'] / dense['tokens_per_s']:.3f}x" if dense and tag != "dense" else "-"
         value = values.get(tag[0], "?") if tag != "dense" else "-"
         lines.append(f"| {tag} | {value} | {row['ms_per_step']:.3f} | {row['tokens_per_s']:.1f} | {ratio} |")
-        if tag[0] in per_side and tag != "dense":
+        if tag[0] in per_side:  # "dense" starts with neither side's letter
             per_side[tag[0]].append(row["ms_per_step"])
     lines.append("")
     for side, times in per_side.items():

@@ -37,24 +37,23 @@ class FollowAttended(HashAttentionSelector):
     def identity(self):
         return {**super().identity(), "follow_tokens": self.follow_tokens}
 
-    def _remember(self, layer: int, logits: torch.Tensor) -> None:
-        """Keep the positions of the ``follow_tokens`` largest logits ``(B, Hq, 1, N)`` of the last row."""
+    def _remember(self, layer: int, logits: torch.Tensor, positions: torch.Tensor = None) -> None:
+        """Keep the positions of the ``follow_tokens`` largest logits ``(B, Hq, 1, K)`` of the last row:
+        key ``k`` is at ``positions[..., k]`` (``K = N`` keys in order when None)."""
         top = logits.topk(min(self.follow_tokens, logits.shape[-1]), dim=-1)
-        positions = torch.where(torch.isfinite(top.values), top.indices, -1)
-        self.state[("follow", layer)] = positions[:, :, -1]  # (B, Hq, r); -1: nothing to follow
+        chosen = top.indices if positions is None else positions.gather(-1, top.indices)
+        self.state[("follow", layer)] = torch.where(torch.isfinite(top.values), chosen, -1)[:, :, -1]  # -1: none
 
     def observe_dense(self, layer, query, key, scaling):
         # The prompt's last row sees every key: its strongest keys seed the first sparse row.
         self._remember(layer, grouped_logits(query[:, :, -1:], key, scaling))
 
     def observe_sparse(self, layer, query, key, indices, counts, lse, scaling):
-        logits = grouped_logits(query[:, :, -1:], key, scaling)  # (B, Hq, 1, N)
-        selected = torch.full_like(logits, float("-inf"))
-        slots = torch.arange(indices.shape[-1], device=indices.device)
-        valid = slots < counts[:, :, -1:, None]
-        positions = indices[:, :, -1:].long().clamp(min=0)
-        selected.scatter_(-1, positions, torch.where(valid, logits.gather(-1, positions), float("-inf")))
-        self._remember(layer, selected)
+        # Only the keys the row attended to compete: its selected slots, padding at -inf.
+        positions = indices[:, :, -1:].long().clamp(min=0)  # (B, Hq, 1, K)
+        valid = torch.arange(indices.shape[-1], device=indices.device) < counts[:, :, -1:, None]
+        logits = grouped_logits(query[:, :, -1:], key, scaling).gather(-1, positions)
+        self._remember(layer, torch.where(valid, logits, float("-inf")), positions)
 
     def select(self, layer, query, key, value, budget, scaling):
         adapter = self.adapters[layer]
