@@ -9,7 +9,10 @@
 #
 # Other settings: ROUNDS (2), BATCH (4 on a GPU with more than 100 GB, else 2: B = 4 at 128K needs
 # 16 GB of weights + 68.7 GB of KV), CONTEXT (131072), METHOD (hash-query_head-32), RUN_SECONDS (150
-# per run). The inductor cache is shared by the runs, so only the first compiles cold.
+# per run), PROFILE_STEPS (0: the profiler's extra steps, kernels by category and launches, off),
+# SKIP_DENSE=1 (no dense run: e.g. METHOD=dense to time dense itself under A and B). The inductor cache is
+# shared by the runs, so only the first compiles cold. Inductor options are compared through
+# VARIABLE=BENCH_INDUCTOR_OPTIONS (read by bench_generate.py), e.g. A=combo_kernels=False B=combo_kernels=True.
 set -u
 OUT=${OUT:-/tmp/ab_generate}; mkdir -p "$OUT"
 : "${VARIABLE:?name the environment variable to compare}" "${A:?value A}" "${B:?value B}"
@@ -19,7 +22,7 @@ if [ -z "${BATCH:-}" ]; then
   BATCH=$([ "${memory_mb:-0}" -gt 100000 ] && echo 4 || echo 2)
 fi
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_ab} TORCHINDUCTOR_ENABLE_PDL=1
-common=(--contexts "$CONTEXT" --batches "$BATCH" --no-attention-share --paced-steps 0 --profile-steps 0 --fresh)
+common=(--contexts "$CONTEXT" --batches "$BATCH" --no-attention-share --paced-steps 0 --profile-steps "${PROFILE_STEPS:-0}" --fresh)
 run() {  # run TAG METHOD [VALUE]
   local tag=$1 method=$2 value=${3-}
   echo "== $tag: $method ${value:+$VARIABLE=$value} ($(date -u +%H:%M:%S))"
@@ -29,7 +32,7 @@ run() {  # run TAG METHOD [VALUE]
     --methods "$method" --out "$OUT/$tag" > "$OUT/$tag.log" 2>&1
   echo "rc=$?"; grep -E "ms/step|Error|error" "$OUT/$tag.log" | tail -3
 }
-run dense dense
+[ "${SKIP_DENSE:-0}" = 1 ] || run dense dense
 for round in $(seq 1 "$ROUNDS"); do
   run "a$round" "$METHOD" "$A"
   run "b$round" "$METHOD" "$B"

@@ -167,6 +167,12 @@ def parse_args(argv=None):
                         help="inductor's Triton kernels launched with programmatic dependent launch (sm_90 and later; "
                              "sets torch._inductor.config.triton.enable_pdl for every method, over "
                              "TORCHINDUCTOR_ENABLE_PDL)")
+    parser.add_argument("--inductor-option", action="append", metavar="KEY=VALUE",
+                        default=[o for o in os.environ.get("BENCH_INDUCTOR_OPTIONS", "").split(",") if o.strip()],
+                        help="set torch._inductor.config.KEY (dotted for nested options, e.g. combo_kernels=True or "
+                             "triton.cudagraph_trees=False) for every method; repeatable; default: the comma-separated "
+                             "BENCH_INDUCTOR_OPTIONS environment variable (for scripts/ab_generate.sh). Recorded per run "
+                             "and row; a row takes its ratio only from a dense row with the same options")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     parser.add_argument("--process-per-method", action="store_true",
                         help="time every method in a Python process of its own, merged into the same --out files "
@@ -183,6 +189,10 @@ def parse_args(argv=None):
         parser.error(str(error))
     if not args.method_specs:
         parser.error("--methods is empty")
+    try:
+        args.inductor_options = parse_inductor_options(args.inductor_option)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("steps", "warmup", "prefill-chunk"):
         if getattr(args, name.replace("-", "_")) < (1 if name != "warmup" else 0):
             parser.error(f"--{name} must be positive")
@@ -502,6 +512,53 @@ def apply_inductor_pdl(enabled: bool) -> None:
     inductor_config.triton.enable_pdl = enabled
 
 
+def parse_inductor_options(items: List[str]) -> Dict[str, object]:
+    """``["KEY=VALUE", ...]`` -> {KEY: value}: KEY names an existing torch._inductor.config option (dotted for
+    nested ones), VALUE a Python literal (True, 8, 0.5, 'name'). Raises ValueError naming a bad item."""
+    import ast
+
+    options: Dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.strip().partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--inductor-option: expected KEY=VALUE, got {item!r}")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--inductor-option {key}: VALUE must be a Python literal (True, 8, 'x'), got {text!r}")
+        owner, name = inductor_config_owner(key)
+        current = getattr(owner, name)
+        if current is not None and not isinstance(value, type(current)) and not (
+                isinstance(current, float) and isinstance(value, int)):
+            raise ValueError(f"--inductor-option {key}: expected a {type(current).__name__} like its default "
+                             f"{current!r}, got {value!r}")
+        options[key] = value
+    return options
+
+
+def inductor_config_owner(key: str):
+    """(config object, attribute name) of torch._inductor.config's dotted ``key``; ValueError if it has none."""
+    import torch._inductor.config as inductor_config
+
+    *path, name = key.split(".")
+    owner = inductor_config
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            break
+    if owner is None or not hasattr(owner, name) or callable(getattr(owner, name)):
+        raise ValueError(f"--inductor-option: torch._inductor.config has no option {key!r}")
+    return owner, name
+
+
+def apply_inductor_options(options: Dict[str, object]) -> None:
+    """Sets torch._inductor.config options for every graph compiled from now on (this process)."""
+    for key, value in options.items():
+        owner, name = inductor_config_owner(key)
+        setattr(owner, name, value)
+
+
 class Benchmark:
     """The grid loop: builds the model once, then fills, measures and records cell after cell."""
 
@@ -520,6 +577,7 @@ class Benchmark:
                 raise SystemExit("the hashattention extension was built without CUDA kernels: rebuild it on the GPU "
                                  "machine (make build) before benchmarking HashAttention on CUDA")
         apply_inductor_pdl(args.inductor_pdl == "on")
+        apply_inductor_options(args.inductor_options)
         torch.manual_seed(args.seed)
         register_dense_attention()
 
@@ -544,7 +602,8 @@ class Benchmark:
         print(f"model built in {t.seconds:.1f} s: {described}", flush=True)
         self.record["runs"].append({
             "command": command, "started_utc": f"{today:%Y-%m-%d %H:%M} UTC", "fill": args.fill,
-            "compile": args.compile, "inductor_pdl": args.inductor_pdl == "on", "model": described,
+            "compile": args.compile, "inductor_pdl": args.inductor_pdl == "on",
+            "inductor_options": dict(args.inductor_options), "model": described,
             "steps": args.steps, "warmup": args.warmup,
             "sink": args.sink, "local": args.local, "model_build_s": t.seconds,
             "environment": measured_environment()})
@@ -586,7 +645,8 @@ class Benchmark:
     def base_row(self, batch: int, n: int, method: Method) -> dict:
         a = self.args
         return {"B": batch, "n": n, "method": method.name, "order": self.order[method.name], "fill": a.fill,
-                "compile": a.compile, "inductor_pdl": a.inductor_pdl == "on", "steps": a.steps,
+                "compile": a.compile, "inductor_pdl": a.inductor_pdl == "on",
+                "inductor_options": dict(a.inductor_options), "steps": a.steps,
                 "ran_before_in_process": list(self.ran_before),
                 "cudnn_before_in_process": self.cudnn_used}
 

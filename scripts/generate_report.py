@@ -84,6 +84,12 @@ def environment_note(run: dict) -> str:
     return "; environment: `" + " ".join(f"{k}={v}" for k, v in names.items()) + "`" if names else ""
 
 
+def inductor_options_note(run: dict) -> str:
+    """", inductor combo_kernels=True" for a run with --inductor-option settings ("" without)."""
+    options = run.get("inductor_options") or {}
+    return "".join(f", inductor {key}={value!r}" for key, value in options.items())
+
+
 def markdown(record: dict) -> str:
     rows = sorted(record["rows"], key=lambda r: (r["B"], r["n"], r.get("order", 0)))
     lines = [
@@ -93,7 +99,7 @@ def markdown(record: dict) -> str:
         f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, {provenance.label(record['env'])}",
         "- commands (each run merges its rows into this file):",
         *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}"
-          f"{', inductor PDL' if run.get('inductor_pdl') else ''}, "
+          f"{', inductor PDL' if run.get('inductor_pdl') else ''}{inductor_options_note(run)}, "
           f"{run['model']}{environment_note(run)})" for run in record["runs"]],
         "- tokens/s = B x steps / time of `steps` greedy decode steps (CUDA events, one sync at the end); ratio = "
         "tokens/s over dense's in the same (B, n); attention share = all layers' attention alone "
@@ -123,6 +129,8 @@ def markdown(record: dict) -> str:
                          f"{before} GPU job{'s' if before > 1 else ''} before it in its process")
         if r.get("cudnn_before_in_process"):
             notes.append("cuDNN used before it in its process")
+        if r.get("inductor_options"):
+            notes.append(inductor_options_note(r)[2:])
         lines.append(
             f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
             f"{fmt(r.get('ratio_to_dense'), '.2f')}{'x' if r.get('ratio_to_dense') else ''} | "
@@ -156,8 +164,9 @@ def markdown(record: dict) -> str:
 
 def comparable_key(row: dict) -> tuple:
     """Rows with the same key ran the same cell setup, so their tokens/s and tokens compare."""
-    # Rows from before --inductor-pdl ran without it.
-    return row["B"], row["n"], row.get("fill"), row.get("steps"), row.get("inductor_pdl", False)
+    # Rows from before --inductor-pdl ran without it; rows from before --inductor-option ran with none.
+    options = tuple(sorted((k, repr(v)) for k, v in (row.get("inductor_options") or {}).items()))
+    return row["B"], row["n"], row.get("fill"), row.get("steps"), row.get("inductor_pdl", False), options
 
 
 def link_to_later_dense(rows: List[dict], dense: dict) -> None:

@@ -354,3 +354,49 @@ def test_inductor_pdl_is_set_recorded_and_compared_only_with_its_own_setting(tmp
         assert text.count("compile: none, inductor PDL, ") == 2 and text.count("compile: none, ") == 3
     finally:
         inductor_config.triton.enable_pdl = before
+
+
+def test_inductor_options_are_set_recorded_and_compared_only_with_the_same_options(tmp_path, monkeypatch):
+    """--inductor-option KEY=VALUE (or BENCH_INDUCTOR_OPTIONS) sets torch._inductor.config for the run, is recorded
+    per run and row, and a row takes its ratio only from a dense row with the same options."""
+    import torch._inductor.config as inductor_config
+
+    common = [*TINY, "--contexts", "80", "--batches", "1", "--steps", "2", "--profile-steps", "0", "--out", str(tmp_path)]
+    before = (inductor_config.combo_kernels, inductor_config.triton.max_tiles)
+    try:
+        bench.main([*common, "--methods", "dense"])
+        monkeypatch.setenv("BENCH_INDUCTOR_OPTIONS", "combo_kernels=True,triton.max_tiles=3")
+        bench.main([*common, "--methods", "hash-query_head-32"])
+        assert inductor_config.combo_kernels is True and inductor_config.triton.max_tiles == 3
+        record, md_path = load_record(tmp_path)
+        rows = {r["method"]: r for r in record["rows"]}
+        sparse = rows["hash-query_head-32"]
+        assert rows["dense"]["inductor_options"] == {}
+        assert sparse["inductor_options"] == {"combo_kernels": True, "triton.max_tiles": 3}
+        assert sparse.get("ratio_to_dense") is None  # dense ran with inductor's defaults
+
+        monkeypatch.delenv("BENCH_INDUCTOR_OPTIONS")
+        bench.main([*common, "--methods", "dense", "--inductor-option", "combo_kernels=True",
+                    "--inductor-option", "triton.max_tiles=3"])
+        record, md_path = load_record(tmp_path)
+        rows = {r["method"]: r for r in record["rows"]}
+        sparse = rows["hash-query_head-32"]
+        assert sparse["ratio_to_dense"] == pytest.approx(sparse["tokens_per_s"] / rows["dense"]["tokens_per_s"])
+        assert [run["inductor_options"] for run in record["runs"]] == [{}, *2 * [{"combo_kernels": True,
+                                                                                  "triton.max_tiles": 3}]]
+        assert open(md_path).read().count("inductor combo_kernels=True, inductor triton.max_tiles=3") == 4
+    finally:
+        inductor_config.combo_kernels, inductor_config.triton.max_tiles = before
+
+
+@pytest.mark.parametrize("option, message", [
+    ("combo_kernels", "expected KEY=VALUE"),
+    ("no_such_option=1", "has no option 'no_such_option'"),
+    ("triton.no_such=1", "has no option 'triton.no_such'"),
+    ("combo_kernels=yes", "must be a Python literal"),
+    ("combo_kernels=3", "expected a bool"),
+])
+def test_bad_inductor_options_are_refused_with_the_reason(option, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--inductor-option", option])
+    assert message in capsys.readouterr().err
