@@ -317,17 +317,21 @@ def test_h2o_dense_statistics_over_row_blocks(monkeypatch, rows, keys_total):
     torch.testing.assert_close(selector.state[0][0].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, follow", [("hashattention-follow", 8), ("hashattention-follow-32", 32)])
-def test_hashattention_follow_forces_the_successors_of_the_last_rows_strongest_keys(adapter_dirs, name, follow):
-    """Per step: plain Hamming scores, with +inf at p + 1 for the `follow` keys p of largest logit
-    that the same head's previous row attended to (the prefill's last row: among all its keys; a
-    sparse row: among the keys it selected), computed here by loops in float64."""
+@pytest.mark.parametrize("name, follow, selection_heads", [
+    ("hashattention-follow", 8, 4), ("hashattention-follow-32", 32, 4), ("hashattention-follow-group", 8, 2)])
+def test_hashattention_follow_forces_the_successors_of_the_last_rows_strongest_keys(adapter_dirs, name, follow,
+                                                                                    selection_heads):
+    """Per step: plain Hamming scores (per query head, or summed over a KV group), with +inf at p + 1 for the
+    `follow` keys p of largest logit that each query head's previous row attended to (the prefill's last row:
+    among all its keys; a sparse row: among the keys its selection chose; a group forces the union of its
+    heads' successors), computed here by loops in float64."""
     directory, adapters = adapter_dirs["query"]
     selector = prepared(name, adapters_dir=directory)
     assert selector.identity()["follow_tokens"] == follow
     keys_total, prefill = 60, 50
     query, key, value = inputs(11, batch=1, keys=keys_total, rows=keys_total)
     selector.observe_dense(0, query[:, :, :prefill], key[:, :, :prefill], SCALING)
+    group = 4 // selection_heads
 
     def logit(h, p, j):
         return float((query[0, h, p].double() * key[0, kv_of(h), j].double()).sum()) * SCALING
@@ -337,22 +341,23 @@ def test_hashattention_follow_forces_the_successors_of_the_last_rows_strongest_k
 
     followed = {h: strongest(h, prefill - 1, range(prefill)) for h in range(4)}
     budget = Budget(1, 2, 12)
+    forced = 0
     for p in range(prefill, keys_total):
         q, k = query[:, :, p : p + 1], key[:, :, : p + 1]
         indices, counts = selector.select(0, q, k, value[:, :, : p + 1], budget, SCALING)
         with torch.no_grad():
-            scores = _hamming_scores(adapters, q, k, 4)
+            scores = _hamming_scores(adapters, q, k, selection_heads)
         for h in range(4):
             for j in followed[h][: budget.heavy_tokens]:
                 if j + 1 <= p:
-                    scores[0, h, 0, j + 1] = float("inf")
+                    scores[0, h // group, 0, j + 1] = float("inf")
+                    forced += 1
         want = brute_force_select(scores, 1, 2, 12)
         assert selected_sets(indices, counts) == want, f"step {p}"
         _, lse = torch.ops.hashattention.sparse_attention.default(q, k, value[:, :, : p + 1], indices, counts, None,
                                                                    SCALING, None)
         selector.observe_sparse(0, q, k, indices, counts, lse, SCALING)
-        followed = {h: strongest(h, p, sorted(want[(0, h, 0)])) for h in range(4)}
-    forced = sum(1 for h in range(4) for j in followed[h] if j + 1 < keys_total)
+        followed = {h: strongest(h, p, sorted(want[(0, h // group, 0)])) for h in range(4)}
     assert forced > 0
 
 

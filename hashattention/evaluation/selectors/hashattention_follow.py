@@ -11,6 +11,10 @@ head's previous row attended to (the sparse attention's own keys; the prompt's l
 dense, seeds the first step). The successors are scored +inf, so they are kept whatever their
 Hamming score; the rest of ``m`` goes by Hamming score as usual. Same budget contract, same sparse
 attention, no extra memory per token: the state is ``follow_tokens`` positions per head and layer.
+
+``hashattention-follow-group`` does the same on group-shared HashAttention: each query head of a KV
+group follows its own ``follow_tokens`` strongest keys among those the group's shared selection
+chose, and the group's selection forces the union of their successors.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from .signature_cache import cached_key_signatures
 
 class FollowAttended(HashAttentionSelector):
     name = "hashattention-follow"
-    variants = {"": {"follow_tokens": 8}, "-32": {"follow_tokens": 32}}
+    variants = {"": {"follow_tokens": 8}, "-32": {"follow_tokens": 32},
+                "-group": {"follow_tokens": 8, "selection": "kv"}}
     sequential_rows = True  # a row's selection depends on the previous row's attention
 
-    def __init__(self, follow_tokens: int = 8):
-        super().__init__(selection="query")
+    def __init__(self, follow_tokens: int = 8, selection: str = "query"):
+        super().__init__(selection=selection)
         if not isinstance(follow_tokens, int) or follow_tokens < 1:
             raise ValueError(f"follow_tokens must be a positive int, got {follow_tokens!r}")
         self.follow_tokens = follow_tokens
@@ -49,9 +54,12 @@ class FollowAttended(HashAttentionSelector):
         self._remember(layer, grouped_logits(query[:, :, -1:], key, scaling))
 
     def observe_sparse(self, layer, query, key, indices, counts, lse, scaling):
-        # Only the keys the row attended to compete: its selected slots, padding at -inf.
-        positions = indices[:, :, -1:].long().clamp(min=0)  # (B, Hq, 1, K)
-        valid = torch.arange(indices.shape[-1], device=indices.device) < counts[:, :, -1:, None]
+        # Only the keys the row attended to compete: its selected slots, padding at -inf. A shared
+        # selection (B, Hkv, P, K) serves every query head of its group.
+        group = query.shape[1] // indices.shape[1]
+        positions = indices[:, :, -1:].long().clamp(min=0).repeat_interleave(group, dim=1)  # (B, Hq, 1, K)
+        counts = counts[:, :, -1:].repeat_interleave(group, dim=1)
+        valid = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
         logits = grouped_logits(query[:, :, -1:], key, scaling).gather(-1, positions)
         self._remember(layer, torch.where(valid, logits, float("-inf")), positions)
 
@@ -59,13 +67,16 @@ class FollowAttended(HashAttentionSelector):
         adapter = self.adapters[layer]
         key_signatures = cached_key_signatures(self.state, layer, key, adapter.key_signatures)
         scores = ops.hamming_scores(adapter.query_signatures(query), key_signatures,
-                                    self.selection_heads(self.shape)).float()  # (B, Hq, P, N)
+                                    self.selection_heads(self.shape)).float()  # (B, Hs, P, N)
         followed = self.state.get(("follow", layer))
         keys = key.shape[2]
         if followed is not None and budget.heavy_tokens > 0:
-            successors = followed[:, :, None, : min(self.follow_tokens, budget.heavy_tokens)] + 1
+            followed = followed[:, :, : min(self.follow_tokens, budget.heavy_tokens)]
+            # (B, Hs, F'): a group-shared selection takes its query heads' followed keys together.
+            followed = followed.reshape(followed.shape[0], scores.shape[1], -1)
+            successors = followed[:, :, None, :] + 1
             successors = successors.expand(-1, -1, scores.shape[2], -1)
-            usable = (followed[:, :, None, : successors.shape[-1]] >= 0) & (successors < keys)
+            usable = (followed[:, :, None, :] >= 0) & (successors < keys)
             # Counted, not scattered as values: two successors may land on one position (the clamped
             # unusable ones included). Positions past a row are masked by the selection itself.
             hits = torch.zeros(scores.shape, dtype=torch.int32, device=scores.device)
