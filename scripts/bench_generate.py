@@ -168,9 +168,8 @@ def parse_args(argv=None):
                              "sets torch._inductor.config.triton.enable_pdl for every method, over "
                              "TORCHINDUCTOR_ENABLE_PDL)")
     parser.add_argument("--inductor-option", action="append", metavar="KEY=VALUE",
-                        default=[o for o in os.environ.get("BENCH_INDUCTOR_OPTIONS", "").split(",") if o.strip()],
                         help="set torch._inductor.config.KEY (dotted for nested options, e.g. combo_kernels=True or "
-                             "triton.cudagraph_trees=False) for every method; repeatable; default: the comma-separated "
+                             "triton.max_tiles=3) for every method; repeatable; without it: the comma-separated "
                              "BENCH_INDUCTOR_OPTIONS environment variable (for scripts/ab_generate.sh). Recorded per run "
                              "and row; a row takes its ratio only from a dense row with the same options")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
@@ -190,7 +189,10 @@ def parse_args(argv=None):
     if not args.method_specs:
         parser.error("--methods is empty")
     try:
-        args.inductor_options = parse_inductor_options(args.inductor_option)
+        items = args.inductor_option
+        if items is None:  # the flags replace the environment's list, not add to it
+            items = [o for o in os.environ.get("BENCH_INDUCTOR_OPTIONS", "").split(",") if o.strip()]
+        args.inductor_options = parse_inductor_options(items)
     except ValueError as error:
         parser.error(str(error))
     for name in ("steps", "warmup", "prefill-chunk"):
@@ -527,6 +529,8 @@ def parse_inductor_options(items: List[str]) -> Dict[str, object]:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError):
             raise ValueError(f"--inductor-option {key}: VALUE must be a Python literal (True, 8, 'x'), got {text!r}")
+        if key == "triton.enable_pdl":  # rows record it as inductor_pdl; two switches could disagree
+            raise ValueError("--inductor-option triton.enable_pdl: use --inductor-pdl on|off")
         owner, name = inductor_config_owner(key)
         current = getattr(owner, name)
         if current is not None and not isinstance(value, type(current)) and not (

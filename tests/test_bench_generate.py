@@ -395,8 +395,15 @@ def test_inductor_options_are_set_recorded_and_compared_only_with_the_same_optio
     ("triton.no_such=1", "has no option 'triton.no_such'"),
     ("combo_kernels=yes", "must be a Python literal"),
     ("combo_kernels=3", "expected a bool"),
+    ("triton.enable_pdl=False", "use --inductor-pdl"),
 ])
 def test_bad_inductor_options_are_refused_with_the_reason(option, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args([*TINY, "--inductor-option", option])
     assert message in capsys.readouterr().err
+
+
+def test_inductor_option_flags_replace_the_environments_list(monkeypatch):
+    monkeypatch.setenv("BENCH_INDUCTOR_OPTIONS", "combo_kernels=True")
+    assert bench.parse_args([*TINY]).inductor_options == {"combo_kernels": True}
+    assert bench.parse_args([*TINY, "--inductor-option", "triton.max_tiles=3"]).inductor_options == {"triton.max_tiles": 3}
