@@ -12,10 +12,12 @@ enum class EncoderChoice {
   kFma,       // "fma": the float32 FMA kernel, one block per head and row group (encode_fused.cu)
   kCluster2,  // "cluster2" / "cluster4": each head's MLP split over a cluster of 2 / 4 blocks
   kCluster4,  //   wherever that kernel applies (encode_cluster.cu), else as unset
+  kSkip,      // "skip": encode_signatures_pair_into launches nothing and returns an unwritten query
+              //   output (wrong signatures; timing only: what a decode step costs without the encoder)
 };
 
 // Reads HASHATTENTION_ENCODER on every call (tests switch it between launches); raises on a value
-// that is none of the above.
+// that is none of the above. Only encode_signatures_pair_into honours "skip"; the other ops run as unset.
 EncoderChoice encoder_choice_from_environment();
 
 }  // namespace cuda

@@ -15,6 +15,7 @@
 
 #include "checks.h"
 #include "cuda_common.cuh"
+#include "encode_choice.h"
 #include "encode_heads.h"
 #include "encode_fused.h"
 #include "mlp_activation.h"
@@ -205,6 +206,10 @@ at::Tensor encode_signatures_pair_into_cuda(const at::Tensor& query, at::TensorL
       check_encode_pair_into_args(query, query_weights.vec(), query_biases.vec(), key, key_weights.vec(),
                                   key_biases.vec(), key_signatures, positions, activation);
   const c10::cuda::CUDAGuard guard(query.device());
+  if (encoder_choice_from_environment() == EncoderChoice::kSkip) {  // timing aid: no launch, output unwritten
+    return new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
+                      query.options().dtype(at::kInt));
+  }
   if (fused_encode_pair_applies(query, query_weights, query_biases, key, key_weights, key_biases) &&
       (key_signatures.size(3) == 1 || key_signatures.stride(3) == 1)) {
     at::Tensor query_out = new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
