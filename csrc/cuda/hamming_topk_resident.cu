@@ -35,6 +35,7 @@
 // cooperatively, which guarantees that all blocks are resident (the barrier cannot deadlock)
 // and is captured by CUDA graphs like any kernel launch.
 #include "hamming_topk_resident.h"
+#include "query_mlp_prologue.cuh"
 
 #include <cooperative_groups.h>
 
@@ -541,11 +542,13 @@ __device__ __forceinline__ bool count_and_write_from_registers(const uint4* vect
 constexpr int kMinResidentBlocks = 5;
 
 // kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
-// Dynamic shared memory: `chunk` distance bytes.
-template <int kGroup>
+// kQueryMlp (EXPERIMENT, query_mlp_prologue.cuh; group 1 only): each block computes its row's query
+// signature from `mlp` instead of reading src.q. Dynamic shared memory: `chunk` distance bytes.
+template <int kGroup, bool kQueryMlp = false>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,
-                           int probe_stop, int32_t* timeline_out) {
+                           int probe_stop, int32_t* timeline_out, QueryMlp mlp) {
+  static_assert(!kQueryMlp || kGroup == 1, "the query-MLP experiment selects per query head");
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
   constexpr int kBins = Counters::kBins;    // possible distances
@@ -575,6 +578,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
+  if constexpr (kQueryMlp) prefetch_query_mlp(mlp, at.s);  // weights only: nothing another kernel writes
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
   wait_for_prerequisite_grids();
@@ -589,9 +593,17 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   // ---- phase 1: distances of the chunk into shared memory, and their histograms ----
   if (scored) {
     unsigned q[kGroup];
+    if constexpr (kQueryMlp) {
+      q[0] = query_signature_from_mlp(mlp, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words));
+      if (at.chunk_index == 0 && threadIdx.x == 0) {
+        mlp.out[at.b * mlp.os0 + at.s * mlp.os1 + at.l * mlp.os2] = static_cast<int32_t>(q[0]);
+      }
+      __syncthreads();  // the scratch (the counters) is cleared next
+    } else {
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) {
-      q[g] = static_cast<unsigned>(src.q[at.b * src.qs0 + (int64_t(at.s) * kGroup + g) * src.qs1 + at.l * src.qs2]);
+      for (int g = 0; g < kGroup; ++g) {
+        q[g] = static_cast<unsigned>(src.q[at.b * src.qs0 + (int64_t(at.s) * kGroup + g) * src.qs1 + at.l * src.qs2]);
+      }
     }
     for (int i = threadIdx.x; i < Counters::kWords; i += kThreads) counter_words[i] = 0;
     __syncthreads();
@@ -839,9 +851,9 @@ struct ChunkChoice {
   int64_t max_rows = 0;  // the most rows one resident launch can serve, at any allowed chunk size
 };
 
-template <int kGroup>
+template <int kGroup, bool kQueryMlp>
 ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
-  const auto kernel = resident_select_kernel<kGroup>;
+  const auto kernel = resident_select_kernel<kGroup, kQueryMlp>;
   const int64_t sms = multiprocessor_count();
   // Resident blocks per multiprocessor for each chunk size: fixed by the kernel and the
   // architecture, so asked from the driver once (-1: not yet).
@@ -879,11 +891,12 @@ ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
 // batch fits, else slices of one batch's head rows; slices as equal as possible. Two launches of
 // the one-launch kernel still read each signature once, where the chunked two-kernel path read
 // them twice (H200, B = 8 / 128K / 32x per query head: 150 us on the chunked path).
-template <int kGroup>
-bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
+template <int kGroup, bool kQueryMlp = false>
+bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like,
+                      QueryMlp mlp = QueryMlp{}) {
   constexpr int kBins = PhaseOneCounters<kGroup>::kBins;
   const int64_t head_rows = p.heads * p.rows, batches = row_count / head_rows;
-  ChunkChoice choice = choose_chunk<kGroup>(p, row_count);
+  ChunkChoice choice = choose_chunk<kGroup, kQueryMlp>(p, row_count);
   int64_t slice_batches = batches, slice_head_rows = head_rows;
   if (choice.index < 0) {
     if (choice.max_rows == 0) return false;  // not even one row fits: the chunked path
@@ -894,11 +907,11 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
       slice_batches = 1;
       slice_head_rows = ceil_div(head_rows, ceil_div(head_rows, choice.max_rows));
     }
-    choice = choose_chunk<kGroup>(p, slice_batches * slice_head_rows);
+    choice = choose_chunk<kGroup, kQueryMlp>(p, slice_batches * slice_head_rows);
     TORCH_CHECK(choice.index >= 0, "hamming_topk: internal error, no resident grid for a slice of ",
                 slice_batches * slice_head_rows, " rows");
   }
-  const auto kernel = resident_select_kernel<kGroup>;
+  const auto kernel = resident_select_kernel<kGroup, kQueryMlp>;
   int chunk = kChunkSizes[choice.index];
   const int64_t chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));
   allow_shared_memory(kernel, chunk);
@@ -914,7 +927,7 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   for (int64_t z = 0; z < batches; z += slice_batches) {
     for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
       int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
-      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline};
+      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline, &mlp};
       const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
                       static_cast<unsigned>(std::min(slice_batches, batches - z)));
       // Cooperative (every block resident: the grid barrier cannot deadlock) and, where allowed,
@@ -950,6 +963,8 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
       row_count / (p.heads * p.rows) > 65535 || !supports_cooperative_launch()) {
     return false;
   }
+  QueryMlp mlp{};
+  if (src.group == 1 && take_pending_query_mlp(src.q, mlp)) return launch_for_group<1, true>(p, src, row_count, like, mlp);
   switch (src.group) {
     case 1: return launch_for_group<1>(p, src, row_count, like);
     case 2: return launch_for_group<2>(p, src, row_count, like);

@@ -17,6 +17,7 @@
 #include "cuda_common.cuh"
 #include "encode_choice.h"
 #include "encode_heads.h"
+#include "query_mlp_prologue.cuh"
 #include "encode_fused.h"
 #include "mlp_activation.h"
 #include "op_arguments.h"
@@ -193,6 +194,71 @@ std::tuple<at::Tensor, at::Tensor> encode_signatures_pair_cuda(
   return {query_out, key_out};
 }
 
+// ---- EXPERIMENT (HASHATTENTION_ENCODER=fused_query; query_mlp_prologue.cuh) -----------------
+namespace {
+thread_local bool pending_query_mlp_set = false;
+thread_local QueryMlp pending_query_mlp;
+
+// The query MLP of a pair_into call in the experiment's shape (see query_mlp_prologue.cuh), with
+// `out` the unwritten query-signature output; false for any other shape.
+bool describe_query_mlp(const at::Tensor& query, at::TensorList weights, at::TensorList biases,
+                        const std::string& activation, const at::Tensor& out, QueryMlp& m) {
+  const int64_t heads = query.size(1);
+  if (query.scalar_type() != at::kBFloat16 || query.size(3) != 128 || query.stride(3) != 1 || weights.size() != 3 ||
+      biases.size() != 3 || out.size(3) != 1) {
+    return false;
+  }
+  const int64_t widths[4] = {128, 128, 128, 32};
+  for (int l = 0; l < 3; ++l) {
+    const at::Tensor& w = weights[l];
+    const at::Tensor& b = biases[l];
+    if (w.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 || !w.is_contiguous() ||
+        !b.is_contiguous() || w.dim() != 3 || w.size(0) != heads || w.size(1) != widths[l] ||
+        w.size(2) != widths[l + 1] || b.numel() != heads * widths[l + 1] ||
+        reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 != 0) {
+      return false;
+    }
+    m.weights[l] = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
+    m.biases[l] = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
+  }
+  m.x = reinterpret_cast<const __nv_bfloat16*>(query.data_ptr());
+  m.xs0 = query.stride(0);
+  m.xs1 = query.stride(1);
+  m.xs2 = query.stride(2);
+  m.activation = activation == "silu" ? encode::kSilu
+                 : activation == "relu" ? encode::kRelu
+                 : activation == "gelu" ? encode::kGelu
+                 : activation == "tanh" ? encode::kTanh
+                                        : encode::kIdentity;
+  m.out = out.data_ptr<int32_t>();
+  m.os0 = out.stride(0);
+  m.os1 = out.stride(1);
+  m.os2 = out.stride(2);
+  return true;
+}
+}  // namespace
+
+void record_pending_query_mlp(const QueryMlp& mlp) {
+  pending_query_mlp = mlp;
+  pending_query_mlp_set = true;
+}
+
+bool take_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp) {
+  if (!pending_query_mlp_set) return false;
+  pending_query_mlp_set = false;
+  if (pending_query_mlp.out != query_signatures) {
+    static bool warned = false;
+    if (!warned) {
+      warned = true;
+      TORCH_WARN("HASHATTENTION_ENCODER=fused_query: the selection's query signatures are not the encoder's output "
+                 "(a copy?); this selection reads them unwritten");
+    }
+    return false;
+  }
+  mlp = pending_query_mlp;
+  return true;
+}
+
 // The pair with the key signatures stored into a cache at `positions` (device values, not checked:
 // slots outside [0, S) are skipped). The fused launch writes them in place; other paths encode the
 // keys into a temporary and store its rows.
@@ -206,9 +272,16 @@ at::Tensor encode_signatures_pair_into_cuda(const at::Tensor& query, at::TensorL
       check_encode_pair_into_args(query, query_weights.vec(), query_biases.vec(), key, key_weights.vec(),
                                   key_biases.vec(), key_signatures, positions, activation);
   const c10::cuda::CUDAGuard guard(query.device());
-  if (encoder_choice_from_environment() == EncoderChoice::kSkip) {  // timing aid: no launch, output unwritten
-    return new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
-                      query.options().dtype(at::kInt));
+  const EncoderChoice choice = encoder_choice_from_environment();
+  if (choice == EncoderChoice::kSkip || choice == EncoderChoice::kFusedQuery) {  // timing aids: no launch
+    at::Tensor query_out = new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
+                                      query.options().dtype(at::kInt));
+    QueryMlp mlp{};
+    if (choice == EncoderChoice::kFusedQuery &&
+        describe_query_mlp(query, query_weights, query_biases, activation, query_out, mlp)) {
+      record_pending_query_mlp(mlp);
+    }
+    return query_out;
   }
   if (fused_encode_pair_applies(query, query_weights, query_biases, key, key_weights, key_biases) &&
       (key_signatures.size(3) == 1 || key_signatures.stride(3) == 1)) {

@@ -1,0 +1,170 @@
+// EXPERIMENT (timing only; HASHATTENTION_ENCODER=fused_query): the one-launch selection computes its
+// row's query signature itself, from the query row and the query MLP, instead of reading it from
+// the encoder's output. At B = 2 / 128K on an H100 a decode step without its encoder launch took
+// 8.47 ms against 8.82 (HASHATTENTION_ENCODER=skip, benchmarks/results/ab_encoder_skip_20261205_s36.md);
+// this measures how much of that is left once the selection pays for the MLP. Not a product path:
+// the new keys' signatures are not encoded at all (as with "skip"), and the MLP reaches the selection
+// through a host-side record that encode_signatures_pair_into leaves for the next hamming_topk call.
+//
+// Supported shape (anything else runs as unset): bfloat16 query rows of 128 values with D contiguous,
+// one MLP head per query head, three layers 128 -> 128 -> 128 -> 32 of bfloat16 weights and biases
+// (contiguous (H, in, out) / (H, out)), per-query-head selection (group 1), one query row.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "encode_common.cuh"
+
+namespace hashattention {
+namespace cuda {
+
+struct QueryMlp {
+  const __nv_bfloat16* x;  // query (B, H, L, 128), D contiguous
+  int64_t xs0, xs1, xs2;
+  const __nv_bfloat16* weights[3];  // (H, in, out) contiguous
+  const __nv_bfloat16* biases[3];   // (H, out) contiguous
+  int activation;                   // encode::Activation
+  int32_t* out;                     // the query-signature output (B, H, L, 1): chunk 0's block writes it
+  int64_t os0, os1, os2;
+};
+
+// Host side: encode_signatures_pair_into records the MLP of a query-signature output it left
+// unwritten; the next resident selection whose query signatures start at that address takes it.
+void record_pending_query_mlp(const QueryMlp& mlp);
+bool take_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp);
+
+namespace query_mlp_detail {
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// Sum of `kValues` per-lane partials over the warp, scattered: after the call lane l holds the full
+// sum of value index (l >> (5 - log2 kValues)) in v[0]. (kValues in {1, 2, 4, 8, 16}.)
+template <int kValues>
+__device__ __forceinline__ float reduce_scatter(float (&v)[16]) {
+  const int lane = threadIdx.x & 31;
+  int count = kValues;
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) {
+    if (count > 1) {
+      const bool upper = (lane & offset) != 0;
+      const int half = count / 2;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        if (k < half) {
+          const float send = upper ? v[k] : v[k + half];
+          const float keep = upper ? v[k + half] : v[k];
+          v[k] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+      }
+      count = half;
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
+    }
+  }
+  return v[0];
+}
+
+}  // namespace query_mlp_detail
+
+// Asks L2 for head h's weights and biases (before the kernel's programmatic wait: the DRAM round trips
+// then overlap the kernel before it, and the MLP's three dependent layers read from L2).
+__device__ __forceinline__ void prefetch_query_mlp(const QueryMlp& m, int h) {
+  const int64_t elements[3] = {128 * 128, 128 * 128, 128 * 32};
+  const int64_t outs[3] = {128, 128, 32};
+#pragma unroll
+  for (int l = 0; l < 3; ++l) {
+    const char* w = reinterpret_cast<const char*>(m.weights[l] + h * elements[l]);
+    for (int64_t line = int64_t(threadIdx.x) * 128; line < elements[l] * 2; line += int64_t(blockDim.x) * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(w + line));
+    }
+    if (threadIdx.x == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(m.biases[l] + h * outs[l]));
+  }
+}
+
+// The 32-bit signature of query row (b, h, l), computed by the whole block (256 threads, 8 warps)
+// in float32 from bfloat16 inputs and weights; every thread gets it. `scratch`: >= 257 floats of
+// shared memory, free for the call. Call from every thread (block barriers inside).
+__device__ __forceinline__ unsigned query_signature_from_mlp(const QueryMlp& m, int b, int h, int l, float* scratch) {
+  using namespace query_mlp_detail;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* act = scratch;         // the current layer's 128 inputs
+  float* next = scratch + 128;  // its outputs
+  unsigned* signature = reinterpret_cast<unsigned*>(scratch + 256);
+  if (threadIdx.x < 128) act[threadIdx.x] = __bfloat162float(m.x[b * m.xs0 + h * m.xs1 + l * m.xs2 + threadIdx.x]);
+  if (threadIdx.x == 0) *signature = 0u;
+  __syncthreads();
+  // Layers 1-2 (128 -> 128): warp w owns outputs 16w .. 16w + 15, lane l inputs 4l .. 4l + 3.
+#pragma unroll 1
+  for (int layer = 0; layer < 2; ++layer) {
+    const __nv_bfloat16* w = m.weights[layer] + int64_t(h) * 128 * 128 + 16 * warp;
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = 0.0f;
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {  // two rows of loads in flight at a time (48 registers per thread)
+      uint4 rows[2][2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint4* row = reinterpret_cast<const uint4*>(w + (4 * lane + 2 * pair + r) * 128);
+        rows[r][0] = __ldg(row);
+        rows[r][1] = __ldg(row + 1);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float x = act[4 * lane + 2 * pair + r];
+        float f[8];
+        bf16x8_to_float(rows[r][0], f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = fmaf(x, f[k], v[k]);
+        bf16x8_to_float(rows[r][1], f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[8 + k] = fmaf(x, f[k], v[8 + k]);
+      }
+    }
+    const float sum = reduce_scatter<16>(v);
+    const int o = 16 * warp + (lane >> 1);
+    if ((lane & 1) == 0) {
+      next[o] = encode::activate(sum + __bfloat162float(m.biases[layer][int64_t(h) * 128 + o]), m.activation);
+    }
+    __syncthreads();
+    float* t = act;
+    act = next;
+    next = t;
+  }
+  // Layer 3 (128 -> 32): warp w owns outputs 4w .. 4w + 3.
+  {
+    const __nv_bfloat16* w = m.weights[2] + int64_t(h) * 128 * 32 + 4 * warp;
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 4 * lane + r;
+      const uint2 pair = __ldg(reinterpret_cast<const uint2*>(w + i * 32));
+      const float x = act[i];
+      v[0] = fmaf(x, __uint_as_float(pair.x << 16), v[0]);
+      v[1] = fmaf(x, __uint_as_float(pair.x & 0xffff0000u), v[1]);
+      v[2] = fmaf(x, __uint_as_float(pair.y << 16), v[2]);
+      v[3] = fmaf(x, __uint_as_float(pair.y & 0xffff0000u), v[3]);
+    }
+    const float sum = reduce_scatter<4>(v);
+    const int o = 4 * warp + (lane >> 3);
+    if ((lane & 7) == 0 && sum + __bfloat162float(m.biases[2][int64_t(h) * 32 + o]) > 0.0f) {
+      atomicOr(signature, 1u << o);
+    }
+  }
+  __syncthreads();
+  return *signature;
+}
+
+}  // namespace cuda
+}  // namespace hashattention
