@@ -2,7 +2,8 @@
 
 ``skip`` launches nothing (the key cache is left as it was). ``fused_query`` is an experiment: the next
 one-launch selection computes its query signatures from the query MLP itself (query_mlp_prologue.cuh)
-and writes them into the encoder's output; they must match the encoder's, and the selection with them.
+and writes them into the encoder's output, and the new key's signatures into the cache; they must match
+the encoder's, and the selection with them.
 """
 import pytest
 import torch
@@ -57,16 +58,24 @@ def test_fused_query_matches_the_encoder(monkeypatch, activation, batch, keys):
                                 local_tokens=128, budget_tokens=budget, lengths=lengths)
 
     monkeypatch.delenv("HASHATTENTION_ENCODER", raising=False)
-    expected_q = _pair_into(query, key, q_mlp, k_mlp, signatures.clone(), positions, activation)
+    expected_cache, fused_cache = signatures.clone(), signatures.clone()
+    expected_q = _pair_into(query, key, q_mlp, k_mlp, expected_cache, positions, activation)
     expected = select(expected_q)
     monkeypatch.setenv("HASHATTENTION_ENCODER", "fused_query")
-    fused_q = _pair_into(query, key, q_mlp, k_mlp, signatures.clone(), positions, activation)
+    fused_q = _pair_into(query, key, q_mlp, k_mlp, fused_cache, positions, activation)
     fused_q.fill_(0x5A5A5A5A)  # only the selection may write it
     got = select(fused_q)
     torch.cuda.synchronize()
     # Float32 sums in another order: a bit may flip where an output is within rounding of zero.
-    differing = sum(bin(x & 0xFFFFFFFF).count("1") for x in torch.bitwise_xor(fused_q, expected_q).view(-1).tolist())
+    def differing_bits(a, b):
+        return sum(bin(x & 0xFFFFFFFF).count("1") for x in torch.bitwise_xor(a, b).view(-1).tolist())
+
+    differing = differing_bits(fused_q, expected_q)
     assert differing <= max(2, fused_q.numel() * 32 // 200), f"{differing} of {fused_q.numel() * 32} bits differ"
+    slot = int(positions[0])
+    assert torch.equal(fused_cache[:, :, :slot], signatures[:, :, :slot])  # only the new key's slot is written
+    differing = differing_bits(fused_cache[:, :, slot], expected_cache[:, :, slot])
+    assert differing <= max(2, batch * HEADS * 32 // 200), f"{differing} key bits differ"
     rows_equal = (fused_q == expected_q).view(batch, HEADS)
     assert rows_equal.float().mean() >= 0.9
     for b in range(batch):

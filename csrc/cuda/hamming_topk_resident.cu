@@ -578,7 +578,10 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
-  if constexpr (kQueryMlp) prefetch_query_mlp(mlp, at.s);  // weights only: nothing another kernel writes
+  if constexpr (kQueryMlp) {  // weights only: nothing another kernel writes
+    prefetch_row_mlp(mlp.query, at.s);
+    if (mlp.key.x != nullptr && at.chunk_index == static_cast<int>(gridDim.x) - 1) prefetch_row_mlp(mlp.key, at.s);
+  }
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
   wait_for_prerequisite_grids();
@@ -594,10 +597,8 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   if (scored) {
     unsigned q[kGroup];
     if constexpr (kQueryMlp) {
-      q[0] = query_signature_from_mlp(mlp, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words));
-      if (at.chunk_index == 0 && threadIdx.x == 0) {
-        mlp.out[at.b * mlp.os0 + at.s * mlp.os1 + at.l * mlp.os2] = static_cast<int32_t>(q[0]);
-      }
+      q[0] = signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words));
+      if (at.chunk_index == 0) store_signature(mlp.query, at.b, at.s, at.l, q[0]);
       __syncthreads();  // the scratch (the counters) is cleared next
     } else {
 #pragma unroll
@@ -623,6 +624,14 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     }
   }
 
+  if constexpr (kQueryMlp) {
+    // The new key's signature, from the row's last chunk (the local window's: see query_mlp_prologue.cuh).
+    if (mlp.key.x != nullptr && at.l == 0 && at.chunk_index == chunks - 1) {
+      __syncthreads();  // phase 1's histogram sums have read the counters, the MLP's scratch
+      store_signature(mlp.key, at.b, at.s, 0,
+                      signature_from_mlp(mlp.key, at.b, at.s, 0, reinterpret_cast<float*>(counter_words)));
+    }
+  }
   if (probe_stop == kProbeAfterScoring) return;
   timeline.mark(0);
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)

@@ -2,13 +2,18 @@
 // row's query signature itself, from the query row and the query MLP, instead of reading it from
 // the encoder's output. At B = 2 / 128K on an H100 a decode step without its encoder launch took
 // 8.47 ms against 8.82 (HASHATTENTION_ENCODER=skip, benchmarks/results/ab_encoder_skip_20261205_s36.md);
-// this measures how much of that is left once the selection pays for the MLP. Not a product path:
-// the new keys' signatures are not encoded at all (as with "skip"), and the MLP reaches the selection
-// through a host-side record that encode_signatures_pair_into leaves for the next hamming_topk call.
+// this measures how much of that is left once the selection pays for the MLPs. The new key's
+// signature is computed by the block of each row's last chunk after its phase 1 (that chunk holds
+// the local window, which always covers the new key, so no block reads its slot; at a static
+// cache's n + 128 slots the chunk holds nothing else and its block would idle until the grid
+// barrier). Not a product path: the MLPs reach the selection through a host-side record that
+// encode_signatures_pair_into leaves for the next hamming_topk call.
 //
-// Supported shape (anything else runs as unset): bfloat16 query rows of 128 values with D contiguous,
-// one MLP head per query head, three layers 128 -> 128 -> 128 -> 32 of bfloat16 weights and biases
-// (contiguous (H, in, out) / (H, out)), per-query-head selection (group 1), one query row.
+// Supported shape (otherwise nothing is encoded, as with "skip"; a key of another shape is left
+// unencoded): bfloat16 rows of 128 values with D
+// contiguous, three layers 128 -> 128 -> 128 -> 32 of bfloat16 weights and biases (contiguous
+// (H, in, out) / (H, out)), one MLP head per query head, per-query-head selection (group 1); for the
+// keys also one new token per sequence and the query's batch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,18 +25,29 @@
 namespace hashattention {
 namespace cuda {
 
-struct QueryMlp {
-  const __nv_bfloat16* x;  // query (B, H, L, 128), D contiguous
+// One MLP problem: rows of x (B, Hx, L, 128) through head h's MLP (x head h / heads_per_x_head) into
+// out[b * os0 + h * os1 + slot * os2], with slot = l, or positions[0] when positions is set (the key
+// cache's slot of the new token; a slot outside [0, slots) is not written).
+struct RowMlp {
+  const __nv_bfloat16* x;  // nullptr: none
   int64_t xs0, xs1, xs2;
+  int heads_per_x_head;
   const __nv_bfloat16* weights[3];  // (H, in, out) contiguous
   const __nv_bfloat16* biases[3];   // (H, out) contiguous
   int activation;                   // encode::Activation
-  int32_t* out;                     // the query-signature output (B, H, L, 1): chunk 0's block writes it
+  int32_t* out;
   int64_t os0, os1, os2;
+  const int64_t* positions;
+  int64_t slots;
 };
 
-// Host side: encode_signatures_pair_into records the MLP of a query-signature output it left
-// unwritten; the next resident selection whose query signatures start at that address takes it.
+struct QueryMlp {
+  RowMlp query;  // the query-signature output (B, H, L, 1): chunk 0's block of each row writes it
+  RowMlp key;    // the new key's signature into the cache; key.x == nullptr: not encoded
+};
+
+// Host side: encode_signatures_pair_into records the MLPs of a query-signature output it left
+// unwritten; the next resident selection whose query signatures start at that address takes them.
 void record_pending_query_mlp(const QueryMlp& mlp);
 bool take_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp);
 
@@ -77,7 +93,7 @@ __device__ __forceinline__ float reduce_scatter(float (&v)[16]) {
 
 // Asks L2 for head h's weights and biases (before the kernel's programmatic wait: the DRAM round trips
 // then overlap the kernel before it, and the MLP's three dependent layers read from L2).
-__device__ __forceinline__ void prefetch_query_mlp(const QueryMlp& m, int h) {
+__device__ __forceinline__ void prefetch_row_mlp(const RowMlp& m, int h) {
   const int64_t elements[3] = {128 * 128, 128 * 128, 128 * 32};
   const int64_t outs[3] = {128, 128, 32};
 #pragma unroll
@@ -90,20 +106,21 @@ __device__ __forceinline__ void prefetch_query_mlp(const QueryMlp& m, int h) {
   }
 }
 
-// The 32-bit signature of query row (b, h, l), computed by the whole block (256 threads, 8 warps)
+// The 32-bit signature of row (b, x head of h, l) through head h's MLP, computed by the whole block (256 threads, 8 warps)
 // in float32 from bfloat16 inputs and weights; every thread gets it. `scratch`: >= 257 floats of
 // shared memory, free for the call. Call from every thread (block barriers inside).
-__device__ __forceinline__ unsigned query_signature_from_mlp(const QueryMlp& m, int b, int h, int l, float* scratch) {
+__device__ __forceinline__ unsigned signature_from_mlp(const RowMlp& m, int b, int h, int l, float* scratch) {
   using namespace query_mlp_detail;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* act = scratch;         // the current layer's 128 inputs
   float* next = scratch + 128;  // its outputs
   unsigned* signature = reinterpret_cast<unsigned*>(scratch + 256);
-  if (threadIdx.x < 128) act[threadIdx.x] = __bfloat162float(m.x[b * m.xs0 + h * m.xs1 + l * m.xs2 + threadIdx.x]);
+  const int64_t x_head = h / m.heads_per_x_head;
+  if (threadIdx.x < 128) act[threadIdx.x] = __bfloat162float(m.x[b * m.xs0 + x_head * m.xs1 + l * m.xs2 + threadIdx.x]);
   if (threadIdx.x == 0) *signature = 0u;
   __syncthreads();
   // Layers 1-2 (128 -> 128): warp w owns outputs 16w .. 16w + 15, lane l inputs 4l .. 4l + 3.
-#pragma unroll 1
+#pragma unroll  // static layer indices: the kernel parameter's arrays stay in the constant bank
   for (int layer = 0; layer < 2; ++layer) {
     const __nv_bfloat16* w = m.weights[layer] + int64_t(h) * 128 * 128 + 16 * warp;
     float v[16];
@@ -164,6 +181,17 @@ __device__ __forceinline__ unsigned query_signature_from_mlp(const QueryMlp& m, 
   }
   __syncthreads();
   return *signature;
+}
+
+// Stores a signature computed by signature_from_mlp for row (b, h, l) (thread 0 only).
+__device__ __forceinline__ void store_signature(const RowMlp& m, int b, int h, int l, unsigned signature) {
+  if (threadIdx.x != 0) return;
+  int64_t slot = l;
+  if (m.positions != nullptr) {
+    slot = m.positions[0];
+    if (slot < 0 || slot >= m.slots) return;
+  }
+  m.out[b * m.os0 + h * m.os1 + slot * m.os2] = static_cast<int32_t>(signature);
 }
 
 }  // namespace cuda

@@ -199,13 +199,14 @@ namespace {
 thread_local bool pending_query_mlp_set = false;
 thread_local QueryMlp pending_query_mlp;
 
-// The query MLP of a pair_into call in the experiment's shape (see query_mlp_prologue.cuh), with
-// `out` the unwritten query-signature output; false for any other shape.
-bool describe_query_mlp(const at::Tensor& query, at::TensorList weights, at::TensorList biases,
-                        const std::string& activation, const at::Tensor& out, QueryMlp& m) {
-  const int64_t heads = query.size(1);
-  if (query.scalar_type() != at::kBFloat16 || query.size(3) != 128 || query.stride(3) != 1 || weights.size() != 3 ||
-      biases.size() != 3 || out.size(3) != 1) {
+// One MLP problem of a pair_into call in the experiment's shape (see query_mlp_prologue.cuh): rows of x
+// (B, Hx, L, 128) into `out` (int32, one word per row) at slot l, or at positions[0] when positions is
+// set; false for any other shape.
+bool describe_row_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases, const std::string& activation,
+                      const at::Tensor& out, const at::Tensor* positions, RowMlp& m) {
+  const int64_t heads = out.size(1);
+  if (x.scalar_type() != at::kBFloat16 || x.size(3) != 128 || x.stride(3) != 1 || heads % x.size(1) != 0 ||
+      weights.size() != 3 || biases.size() != 3 || out.size(3) != 1) {
     return false;
   }
   const int64_t widths[4] = {128, 128, 128, 32};
@@ -221,10 +222,11 @@ bool describe_query_mlp(const at::Tensor& query, at::TensorList weights, at::Ten
     m.weights[l] = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
     m.biases[l] = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
   }
-  m.x = reinterpret_cast<const __nv_bfloat16*>(query.data_ptr());
-  m.xs0 = query.stride(0);
-  m.xs1 = query.stride(1);
-  m.xs2 = query.stride(2);
+  m.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  m.xs0 = x.stride(0);
+  m.xs1 = x.stride(1);
+  m.xs2 = x.stride(2);
+  m.heads_per_x_head = static_cast<int>(heads / x.size(1));
   m.activation = activation == "silu" ? encode::kSilu
                  : activation == "relu" ? encode::kRelu
                  : activation == "gelu" ? encode::kGelu
@@ -234,6 +236,8 @@ bool describe_query_mlp(const at::Tensor& query, at::TensorList weights, at::Ten
   m.os0 = out.stride(0);
   m.os1 = out.stride(1);
   m.os2 = out.stride(2);
+  m.positions = positions != nullptr ? positions->data_ptr<int64_t>() : nullptr;
+  m.slots = out.size(2);
   return true;
 }
 }  // namespace
@@ -246,7 +250,7 @@ void record_pending_query_mlp(const QueryMlp& mlp) {
 bool take_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp) {
   if (!pending_query_mlp_set) return false;
   pending_query_mlp_set = false;
-  if (pending_query_mlp.out != query_signatures) {
+  if (pending_query_mlp.query.out != query_signatures) {
     static bool warned = false;
     if (!warned) {
       warned = true;
@@ -278,7 +282,14 @@ at::Tensor encode_signatures_pair_into_cuda(const at::Tensor& query, at::TensorL
                                       query.options().dtype(at::kInt));
     QueryMlp mlp{};
     if (choice == EncoderChoice::kFusedQuery &&
-        describe_query_mlp(query, query_weights, query_biases, activation, query_out, mlp)) {
+        describe_row_mlp(query, query_weights, query_biases, activation, query_out, nullptr, mlp.query) &&
+        query.size(1) == query_out.size(1)) {
+      // The new key (one token, the query's batch) too, into the cache at positions[0]; else not encoded.
+      if (key.size(0) != query.size(0) || key.size(2) != 1 || positions.numel() != 1 ||
+          positions.scalar_type() != at::kLong || key_signatures.size(1) != query_out.size(1) ||
+          !describe_row_mlp(key, key_weights, key_biases, activation, key_signatures, &positions, mlp.key)) {
+        mlp.key = RowMlp{};
+      }
       record_pending_query_mlp(mlp);
     }
     return query_out;
