@@ -46,6 +46,15 @@ TORCH_LIBRARY(hashattention, m) {
       "encode_signatures_pair_into(Tensor query, Tensor[] query_weights, Tensor[] query_biases, Tensor key, "
       "Tensor[] key_weights, Tensor[] key_biases, Tensor(a!) key_signatures, Tensor positions, "
       "str activation=\"silu\") -> Tensor");
+  // A decode step's selection from the query rows: encode_signatures_pair_into, then hamming_topk with
+  // the query signatures it returned (and key_signatures, with the new keys stored). Returns (indices,
+  // counts, query_signatures).
+  m.def(
+      "encode_pair_and_select(Tensor query, Tensor[] query_weights, Tensor[] query_biases, Tensor key, "
+      "Tensor[] key_weights, Tensor[] key_biases, Tensor(a!) key_signatures, Tensor positions, str activation, "
+      "int selection_heads, int sink_tokens, int local_tokens, int budget_tokens, Tensor? lengths=None, "
+      "Tensor? start_positions=None, Tensor? budgets=None) -> (Tensor indices, Tensor counts, "
+      "Tensor query_signatures)");
   // Float (..., bits) -> int32 (..., bits / 32); bit j of word w is 1 iff values[..., 32w + j] > 0.
   m.def("pack_signs(Tensor values) -> Tensor");
   // Similarity = bits - popcount(q XOR k) summed over words (and over a group's query heads

@@ -15,6 +15,7 @@ from . import bounds, ops, padding, reference  # noqa: E402
 from .adapters import AdapterConfig, HashAdapters  # noqa: E402
 from .config import HashAttentionConfig  # noqa: E402
 from .ops import (  # noqa: E402
+    encode_pair_and_select,
     encode_signatures,
     encode_signatures_pair,
     encode_signatures_pair_into,
@@ -47,6 +48,7 @@ __all__ = [
     "is_patched",
     "patch",
     "unpatch",
+    "encode_pair_and_select",
     "encode_signatures",
     "encode_signatures_pair",
     "encode_signatures_pair_into",

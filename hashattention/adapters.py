@@ -192,6 +192,27 @@ class LayerAdapter(nn.Module):
             query, *query_stack, key, *key_stack, key_signatures, positions, self.config.activation
         )
 
+    def select_with_new_keys(
+        self, query: Tensor, key: Tensor, key_signatures: Tensor, positions: Tensor, **selection
+    ) -> Tuple[Tensor, Tensor]:
+        """:meth:`decode_signatures_into`, then :func:`hashattention.ops.hamming_topk` on the query
+        signatures, in one op call (:func:`hashattention.ops.encode_pair_and_select`).
+
+        Args:
+            query, key, key_signatures, positions: as in :meth:`decode_signatures_into`.
+            selection: the keyword arguments of :func:`hashattention.ops.hamming_topk` after the
+                signatures (``selection_heads``, ``sink_tokens``, ..., ``budgets``).
+
+        Returns:
+            ``(indices, counts)``: int32 ``(B, Hs, L, K)`` and ``(B, Hs, L)``.
+        """
+        query_stack, key_stack = self._stacks()
+        indices, counts, _ = ops.encode_pair_and_select(
+            query, *query_stack, key, *key_stack, key_signatures, positions, activation=self.config.activation,
+            **selection,
+        )
+        return indices, counts
+
 
 class HashAdapters(nn.Module):
     """All layers' adapters plus their :class:`AdapterConfig`."""

@@ -162,18 +162,38 @@ def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
     )
 
 
+def selection_arguments(
+    runtime: LayerRuntime, keys: int, lengths: Tensor, start_positions: Tensor, budgets: Optional[Tensor]
+) -> dict:
+    """:func:`hashattention.ops.hamming_topk`'s keyword arguments after the signatures, for a layer whose
+    cache holds ``keys`` slots (``budgets`` None: :func:`heavy_budgets` of the valid keys)."""
+    config = runtime.config
+    if budgets is None:
+        budgets = heavy_budgets(config, lengths - start_positions)
+    return dict(
+        selection_heads=runtime.selection_heads,
+        sink_tokens=config.sink_tokens,
+        local_tokens=config.local_tokens,
+        budget_tokens=config.heavy_width(keys),
+        lengths=lengths,
+        start_positions=start_positions,
+        budgets=budgets,
+    )
+
+
 def select_and_attend(
     runtime: LayerRuntime,
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    key_signatures: Tensor,
+    key_signatures: Optional[Tensor],
     lengths: Tensor,
     start_positions: Tensor,
     scaling: float,
     budgets: Optional[Tensor] = None,
     query_signatures: Optional[Tensor] = None,
     workspace: Optional[Tensor] = None,
+    selection: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
     """Sparse attention of query rows that end at each sequence's ``lengths``.
 
@@ -189,26 +209,21 @@ def select_and_attend(
             one call); None: encoded here.
         workspace: zeroed int32 counters for :func:`hashattention.ops.sparse_attention` (a static
             cache layer's), or None.
+        selection: ``(indices, counts)`` when already selected (by
+            :func:`hashattention.ops.encode_pair_and_select`, with :func:`selection_arguments`); then
+            ``key_signatures`` and ``query_signatures`` are not read.
 
     Returns:
         ``(B, Hq, P, D)`` in the query dtype.
     """
-    config = runtime.config
-    if budgets is None:
-        budgets = heavy_budgets(config, lengths - start_positions)
-    if query_signatures is None:
-        query_signatures = runtime.adapter.query_signatures(query)
-    indices, counts = ops.hamming_topk(
-        query_signatures,
-        key_signatures,
-        selection_heads=runtime.selection_heads,
-        sink_tokens=config.sink_tokens,
-        local_tokens=config.local_tokens,
-        budget_tokens=config.heavy_width(key.shape[2]),
-        lengths=lengths,
-        start_positions=start_positions,
-        budgets=budgets,
-    )
+    if selection is None:
+        if query_signatures is None:
+            query_signatures = runtime.adapter.query_signatures(query)
+        selection = ops.hamming_topk(
+            query_signatures, key_signatures,
+            **selection_arguments(runtime, key.shape[2], lengths, start_positions, budgets),
+        )
+    indices, counts = selection
     out, _ = ops.sparse_attention(query, key, value, indices, counts, scale=scaling, workspace=workspace)
     return out
 
@@ -246,8 +261,6 @@ def hashattention_attention_forward(
         def valid_lengths():
             return torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
     else:
-        # Writes the keys this forward appended before the selection below reads them.
-        query_signatures, key_signatures = cache_layer.query_and_key_signatures(sparse_query)
 
         def valid_lengths():
             return cache_layer.valid_lengths(batch, query.device)
@@ -255,12 +268,26 @@ def hashattention_attention_forward(
         runtime.config, attention_mask, valid_lengths, batch, query.device, cache_layer, start_layer,
         last_layer=runtime.last_sparse_layer,
     )
+    selection = None
+    if cache_layer is not None:
+        # A static cache's decode step: the keys this forward appended are encoded and stored by the
+        # selection's own op (one launch where the CUDA kernel can); otherwise they are written here,
+        # before the selection reads them.
+        select_pending = getattr(cache_layer, "select_with_pending_keys", None)
+        if select_pending is not None:
+            selection = select_pending(
+                sparse_query, **selection_arguments(runtime, key.shape[2], lengths, start_positions, budgets)
+            )
+        if selection is None:
+            query_signatures, key_signatures = cache_layer.query_and_key_signatures(sparse_query)
+        else:
+            query_signatures = key_signatures = None
 
     workspace_of = getattr(cache_layer, "attention_workspace", None)  # static cache layers only
     workspace = workspace_of(batch, query.shape[1], sparse_rows) if workspace_of is not None else None
     sparse_out = select_and_attend(
         runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling, budgets,
-        query_signatures=query_signatures, workspace=workspace,
+        query_signatures=query_signatures, workspace=workspace, selection=selection,
     ).transpose(1, 2)
     if sparse_rows == rows:
         return sparse_out.contiguous(), None

@@ -312,6 +312,25 @@ class SignatureStaticLayer(StaticLayer):
         self._drop_pending_keys()
         return query_signatures, self._key_signatures
 
+    def select_with_pending_keys(self, query: Tensor, **selection) -> Optional[Tuple[Tensor, Tensor]]:
+        """The selection of ``query`` with the pending keys' signatures encoded and written by the same op
+        (:meth:`LayerAdapter.select_with_new_keys`); None when no keys are pending.
+
+        Args:
+            query: post-RoPE query rows ``(B, Hq, L, D)`` of the attention forward.
+            selection: :func:`hashattention.ops.hamming_topk`'s keyword arguments after the signatures.
+
+        Returns:
+            ``(indices, counts)`` over the complete signature buffer, or None.
+        """
+        if self._pending_keys is None:
+            return None
+        selected = self.adapter.select_with_new_keys(
+            query, self._pending_keys, self._key_signatures, self._pending_positions, **selection
+        )
+        self._drop_pending_keys()
+        return selected
+
     def flush_pending_keys(self) -> None:
         """Encode pending keys (the single-stack encoder) and write them into the buffer."""
         if self._pending_keys is not None:

@@ -263,6 +263,65 @@ def _hamming_topk_fake(
     return indices, counts
 
 
+def encode_pair_and_select(
+    query: Tensor,
+    query_weights: Sequence[Tensor],
+    query_biases: Sequence[Tensor],
+    key: Tensor,
+    key_weights: Sequence[Tensor],
+    key_biases: Sequence[Tensor],
+    key_signatures: Tensor,
+    positions: Tensor,
+    *,
+    activation: str = "silu",
+    selection_heads: int,
+    sink_tokens: int,
+    local_tokens: int,
+    budget_tokens: int,
+    lengths: Optional[Tensor] = None,
+    start_positions: Optional[Tensor] = None,
+    budgets: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """A decode step's selection from the query rows, with the new keys' signatures stored. Exactly::
+
+        query_signatures = encode_signatures_pair_into(query, query_weights, query_biases, key, key_weights,
+                                                       key_biases, key_signatures, positions, activation)
+        indices, counts = hamming_topk(query_signatures, key_signatures, selection_heads=..., ...)
+
+    One op for the two so that a kernel may run the whole step in one launch (the selection computing
+    the query signatures itself). Today every device runs the two ops in turn; their argument checks
+    and errors apply.
+
+    Args:
+        query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions,
+            activation: as in :func:`encode_signatures_pair_into` (``key_signatures`` is written in
+            place at the rows ``positions``).
+        selection_heads, sink_tokens, local_tokens, budget_tokens, lengths, start_positions, budgets:
+            as in :func:`hamming_topk`, which reads ``key_signatures`` after the store.
+
+    Returns:
+        ``(indices, counts, query_signatures)``: int32 ``(B, Hs, L, K)``, ``(B, Hs, L)`` as from
+        :func:`hamming_topk`, and the query signatures, int32 ``(B, Hq, L, Wq)``.
+    """
+    return torch.ops.hashattention.encode_pair_and_select.default(
+        query, list(query_weights), list(query_biases), key, list(key_weights), list(key_biases), key_signatures,
+        positions, activation, selection_heads, sink_tokens, local_tokens, budget_tokens, lengths, start_positions,
+        budgets,
+    )
+
+
+@torch.library.register_fake("hashattention::encode_pair_and_select")
+def _encode_pair_and_select_fake(
+    query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions, activation,
+    selection_heads, sink, local, budget, lengths=None, start_positions=None, budgets=None,
+):
+    query_signatures = _encode_signatures_fake(query, query_weights, query_biases, activation)
+    indices, counts = _hamming_topk_fake(
+        query_signatures, key_signatures, lengths, start_positions, budgets, selection_heads, sink, local, budget
+    )
+    return indices, counts, query_signatures
+
+
 def topk_from_scores(
     scores: Tensor,
     *,

@@ -1,11 +1,13 @@
-"""Static caches defer encoding appended keys: one encode_signatures_pair call per sparse layer and
-decode step, with the same logits as encoding the keys in ``update`` and a complete signature cache."""
+"""Static caches defer encoding appended keys: one encode_pair_and_select call per sparse layer and
+decode step (it encodes the query and the new keys, stores the keys and selects), with the same logits
+as encoding the keys in ``update`` and a complete signature cache."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, StaticCache
 
+import hashattention as ha
 from hashattention.cache import SignatureStaticLayer
 from hashattention.config import HashAttentionConfig
 from hashattention.patching import patch
@@ -94,7 +96,8 @@ class EncoderCalls(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.counts = {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0}
+        self.counts = {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0,
+                       "encode_pair_and_select": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -106,8 +109,8 @@ class EncoderCalls(TorchDispatchMode):
 @pytest.mark.parametrize("dense_layers", [(), (1,)])
 def test_decode_step_makes_one_encoder_call_per_sparse_layer(dense_layers):
     """A static-cache decode step encodes each sparse layer's query and new key in ONE
-    encode_signatures_pair_into call that also stores the key's signatures (no separate key encode,
-    no copy of the cache), eager and in the compiled graph."""
+    encode_pair_and_select call that also stores the key's signatures and selects (no separate key
+    encode, no copy of the cache), eager and in the compiled graph."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_model("llama", layers=3)
@@ -123,7 +126,7 @@ def test_decode_step_makes_one_encoder_call_per_sparse_layer(dense_layers):
         with EncoderCalls() as calls:
             out = model(input_ids=token, attention_mask=mask, past_key_values=cache)
         assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 0,
-                                "encode_signatures_pair_into": sparse_layers}
+                                "encode_signatures_pair_into": 0, "encode_pair_and_select": sparse_layers}
 
         token = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
@@ -131,7 +134,7 @@ def test_decode_step_makes_one_encoder_call_per_sparse_layer(dense_layers):
         step = torch.compile(model.forward, fullgraph=True)
         _, code = run_and_get_code(step, input_ids=token, attention_mask=mask, past_key_values=cache)
     source = "\n".join(code)
-    assert source.count("hashattention.encode_signatures_pair_into.default(") == sparse_layers
+    assert source.count("hashattention.encode_pair_and_select.default(") == sparse_layers
     assert "hashattention.encode_signatures.default(" not in source
     # The cache is written in place by the op (re-inplaced by inductor): no functionalized copy of it.
     assert "auto_functionalized" not in source
@@ -150,7 +153,7 @@ def test_dynamic_cache_still_encodes_in_update():
             model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
         for index, layer in enumerate(cache.layers):
             assert torch.equal(layer.key_signatures, adapters[index].key_signatures(layer.keys))
-    assert calls.counts == {"encode_signatures": 4, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0}
+    assert calls.counts == {"encode_signatures": 4, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0, "encode_pair_and_select": 0}
 
 
 # ---------------------------------------------------------------- the layer on its own
@@ -181,14 +184,29 @@ def test_query_and_key_signatures_writes_pending_keys_in_one_call():
     query = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(5))
     with EncoderCalls() as calls:
         query_signatures, signatures = layer.query_and_key_signatures(query)
-    assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 1}
+    assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 1, "encode_pair_and_select": 0}
     assert signatures is layer._key_signatures and layer._pending_keys is None
     assert torch.equal(query_signatures, adapter.query_signatures(query))
     assert torch.equal(signatures[:, :, :5], adapter.key_signatures(key_states))
     with EncoderCalls() as calls:  # nothing pending any more: the query alone
         again, _ = layer.query_and_key_signatures(query)
-    assert calls.counts == {"encode_signatures": 1, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0}
+    assert calls.counts == {"encode_signatures": 1, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0, "encode_pair_and_select": 0}
     assert torch.equal(again, query_signatures)
+
+
+def test_select_with_pending_keys_writes_them_and_selects_in_one_call():
+    layer, adapter, key_states = filled_layer()
+    query = torch.randn(2, 4, 1, 64, generator=torch.Generator().manual_seed(5))
+    selection = dict(selection_heads=4, sink_tokens=1, local_tokens=1, budget_tokens=2)
+    with EncoderCalls() as calls:
+        indices, counts = layer.select_with_pending_keys(query, **selection)
+    assert calls.counts == {"encode_signatures": 0, "encode_signatures_pair": 0, "encode_signatures_pair_into": 0,
+                            "encode_pair_and_select": 1}
+    assert layer._pending_keys is None
+    assert torch.equal(layer._key_signatures[:, :, :5], adapter.key_signatures(key_states))
+    want = ha.ops.hamming_topk(adapter.query_signatures(query), layer._key_signatures, **selection)
+    assert torch.equal(indices, want[0]) and torch.equal(counts, want[1])
+    assert layer.select_with_pending_keys(query, **selection) is None  # nothing pending any more
 
 
 def test_a_second_update_encodes_the_first_chunk():

@@ -118,10 +118,10 @@ def test_compiled_step_computes_the_bounds_once_through_the_op():
     source = "\n".join(code)
     assert source.count("hashattention.selection_bounds.default(") == 1
     assert "amin" not in source and "argmax" not in source
-    selections = re.findall(r"hashattention\.hamming_topk\.default\(([^)]*)\)", source)
+    selections = re.findall(r"hashattention\.encode_pair_and_select\.default\(([^)]*)\)", source)
     assert len(selections) == layers
-    # hamming_topk(query_signatures, key_signatures, lengths, start_positions, budgets, ...)
-    bounds = {tuple(a.strip() for a in args.split(",")[2:5]) for args in selections}
+    # encode_pair_and_select(..., budget_tokens, lengths, start_positions, budgets): the last three
+    bounds = {tuple(a.strip() for a in args.split(",")[-3:]) for args in selections}
     assert len(bounds) == 1, f"layers read different bounds buffers: {bounds}"
     assert all(layer.selection_bounds.traced is None for layer in cache.layers)
 

@@ -14,13 +14,10 @@ enum class EncoderChoice {
   kCluster4,  //   wherever that kernel applies (encode_cluster.cu), else as unset
   kSkip,      // "skip": encode_signatures_pair_into launches nothing and returns an unwritten query
               //   output (wrong signatures; timing only: what a decode step costs without the encoder)
-  kFusedQuery,  // "fused_query": EXPERIMENT, timing only (query_mlp_prologue.cuh): as "skip", but the next
-                //   one-launch selection computes the query signatures from the query MLP itself
 };
 
 // Reads HASHATTENTION_ENCODER on every call (tests switch it between launches); raises on a value
-// that is none of the above. Only encode_signatures_pair_into honours "skip" and "fused_query"; the other ops run as
-// unset.
+// that is none of the above. Only encode_signatures_pair_into honours "skip"; the other ops run as unset.
 EncoderChoice encoder_choice_from_environment();
 
 }  // namespace cuda

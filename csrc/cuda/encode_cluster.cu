@@ -42,9 +42,8 @@ EncoderChoice encoder_choice_from_environment() {
   if (std::strcmp(value, "cluster2") == 0) return EncoderChoice::kCluster2;
   if (std::strcmp(value, "cluster4") == 0) return EncoderChoice::kCluster4;
   if (std::strcmp(value, "skip") == 0) return EncoderChoice::kSkip;
-  if (std::strcmp(value, "fused_query") == 0) return EncoderChoice::kFusedQuery;
-  TORCH_CHECK(false, "HASHATTENTION_ENCODER must be fma, mma, cluster2, cluster4, skip or fused_query (a timing aid), got '",
-              value, "'");
+  TORCH_CHECK(false, "HASHATTENTION_ENCODER must be fma, mma, cluster2, cluster4 or skip (a timing aid), got '", value,
+              "'");
 }
 
 namespace {

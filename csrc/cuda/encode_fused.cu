@@ -372,8 +372,7 @@ void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_t
   int64_t most_rows = 0;
   for (int i = 0; i < problems; ++i) most_rows = std::max(most_rows, launch.problems[i].rows);
   const bool cluster = choice == EncoderChoice::kCluster2 || choice == EncoderChoice::kCluster4 ||
-                       ((choice == EncoderChoice::kAuto || choice == EncoderChoice::kSkip || choice == EncoderChoice::kFusedQuery) &&
-                        most_rows <= kMaxAutoClusterRows);
+                       ((choice == EncoderChoice::kAuto || choice == EncoderChoice::kSkip) && most_rows <= kMaxAutoClusterRows);
   if (cluster && launch_encode_cluster(launch, problems, x_type, weight_type, choice == EncoderChoice::kCluster4 ? 4 : 2)) {
     return;
   }

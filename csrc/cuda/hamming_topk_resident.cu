@@ -973,7 +973,11 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
     return false;
   }
   QueryMlp mlp{};
-  if (src.group == 1 && take_pending_query_mlp(src.q, mlp)) return launch_for_group<1, true>(p, src, row_count, like, mlp);
+  if (src.group == 1 && peek_pending_query_mlp(src.q, mlp)) {  // encode_pair_and_select in one launch
+    if (!launch_for_group<1, true>(p, src, row_count, like, mlp)) return false;
+    consume_pending_query_mlp();
+    return true;
+  }
   switch (src.group) {
     case 1: return launch_for_group<1>(p, src, row_count, like);
     case 2: return launch_for_group<2>(p, src, row_count, like);

@@ -1,19 +1,18 @@
-// EXPERIMENT (timing only; HASHATTENTION_ENCODER=fused_query): the one-launch selection computes its
-// row's query signature itself, from the query row and the query MLP, instead of reading it from
-// the encoder's output. At B = 2 / 128K on an H100 a decode step without its encoder launch took
-// 8.47 ms against 8.82 (HASHATTENTION_ENCODER=skip, benchmarks/results/ab_encoder_skip_20261205_s36.md);
-// this measures how much of that is left once the selection pays for the MLPs. The new key's
-// signature is computed by the block of each row's last chunk after its phase 1 (that chunk holds
-// the local window, which always covers the new key, so no block reads its slot; at a static
-// cache's n + 128 slots the chunk holds nothing else and its block would idle until the grid
-// barrier). Not a product path: the MLPs reach the selection through a host-side record that
-// encode_signatures_pair_into leaves for the next hamming_topk call.
+// encode_pair_and_select in one launch (opt-in, HASHATTENTION_FUSED_SELECTION=1, until measured on a
+// GPU): the one-launch selection computes its row's query signature itself, from the query row and the
+// query MLP, instead of reading it from the encoder's output. At B = 2 / 128K on an H100 a decode step
+// without its encoder launch took 8.47 ms against 8.82 (HASHATTENTION_ENCODER=skip,
+// benchmarks/results/ab_encoder_skip_20261205_s36.md); this path keeps what the MLPs leave of that.
+// The new key's signature is computed by the block of each row's last chunk after its phase 1 (that
+// chunk holds the local window, which always covers the new key, so no block scores its slot; at a
+// static cache's n + 128 slots the chunk holds nothing else and its block would idle until the grid
+// barrier). The MLPs reach the selection through a host-side record that encode_pair_and_select's CUDA
+// kernel (csrc/cuda/signatures.cu) leaves for its own hamming_topk call.
 //
-// Supported shape (otherwise nothing is encoded, as with "skip"; a key of another shape is left
-// unencoded): bfloat16 rows of 128 values with D
+// Shape (otherwise encode_pair_and_select runs its two ops): bfloat16 rows of 128 values with D
 // contiguous, three layers 128 -> 128 -> 128 -> 32 of bfloat16 weights and biases (contiguous
-// (H, in, out) / (H, out)), one MLP head per query head, per-query-head selection (group 1); for the
-// keys also one new token per sequence and the query's batch.
+// (H, in, out) / (H, out)), one query MLP head per query head and one key MLP head per query head
+// (per-query-head selection: group 1), one query row and one new key per sequence.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,10 +45,12 @@ struct QueryMlp {
   RowMlp key;    // the new key's signature into the cache; key.x == nullptr: not encoded
 };
 
-// Host side: encode_signatures_pair_into records the MLPs of a query-signature output it left
-// unwritten; the next resident selection whose query signatures start at that address takes them.
+// Host side (csrc/cuda/signatures.cu): encode_pair_and_select's CUDA kernel records the MLPs of a
+// query-signature output it left unwritten, then calls hamming_topk; the one-launch selection, when
+// its query signatures start at that address, launches with them and consumes the record.
 void record_pending_query_mlp(const QueryMlp& mlp);
-bool take_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp);
+bool peek_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp);
+void consume_pending_query_mlp();
 
 namespace query_mlp_detail {
 
