@@ -625,6 +625,12 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   }
 
   if constexpr (kQueryMlp) {
+    // A row that needs no scores (no heavy budget, or every candidate kept) still returns its query
+    // signature: chunk 0's block computes it here.
+    if (!scored && at.chunk_index == 0) {
+      store_signature(mlp.query, at.b, at.s, at.l,
+                      signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words)));
+    }
     // The new key's signature, from the row's last chunk (the local window's: see query_mlp_prologue.cuh).
     if (mlp.key.x != nullptr && at.l == 0 && at.chunk_index == chunks - 1) {
       __syncthreads();  // phase 1's histogram sums have read the counters, the MLP's scratch
