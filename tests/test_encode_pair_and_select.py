@@ -26,17 +26,23 @@ CASES = [
 ]
 
 
-def run_case(case, dtype, device, ragged, budgets_on):
+def step_inputs(case, dtype, device, g):
+    """A decode step's query row, new key, both MLP stacks and the new key's cache slot (the last)."""
     batch, hq, hkv, hk, hs, slots, dim, hidden, bits = case
-    g = generator_for("pair-and-select", case, dtype, device, ragged, budgets_on)
     query = strided(batch, hq, 1, dim, g, dtype, device)
     key = strided(batch, hkv, 1, dim, g, dtype, device)
     qw, qb = make_mlp(hq, [dim, *hidden, bits], g, dtype, device)
     kw, kb = make_mlp(hk, [dim, *hidden, bits], g, dtype, device)
+    return query, key, qw, qb, kw, kb, torch.tensor([slots - 1], device=device)
+
+
+def run_case(case, dtype, device, ragged, budgets_on):
+    batch, hq, hkv, hk, hs, slots, dim, hidden, bits = case
+    g = generator_for("pair-and-select", case, dtype, device, ragged, budgets_on)
+    query, key, qw, qb, kw, kb, position = step_inputs(case, dtype, device, g)
     lengths, starts = random_lengths(batch, slots, g, ragged)
     lengths, starts = lengths.clamp(min=1).to(device), starts.to(device)
     starts = torch.minimum(starts, lengths - 1)
-    position = torch.tensor([slots - 1], device=device)  # the new key's slot
     budgets = torch.randint(0, slots, (batch,), generator=g).to(torch.int32).to(device) if budgets_on else None
     cache = random_signatures((batch, hk, slots, bits // 32), g, device)
     selection = dict(selection_heads=hs, sink_tokens=4, local_tokens=8, budget_tokens=slots // 8,
@@ -74,11 +80,7 @@ def test_compiles_without_graph_breaks(device):
     case = CASES[1]
     batch, hq, hkv, hk, hs, slots, dim, hidden, bits = case
     g = generator_for("pair-and-select-compile", device)
-    query = strided(batch, hq, 1, dim, g, torch.float32, device)
-    key = strided(batch, hkv, 1, dim, g, torch.float32, device)
-    qw, qb = make_mlp(hq, [dim, *hidden, bits], g, torch.float32, device)
-    kw, kb = make_mlp(hk, [dim, *hidden, bits], g, torch.float32, device)
-    position = torch.tensor([slots - 1], device=device)
+    query, key, qw, qb, kw, kb, position = step_inputs(case, torch.float32, device, g)
     cache = random_signatures((batch, hk, slots, 1), g, device)
 
     def step(q, k, c):
@@ -98,12 +100,8 @@ def test_bad_arguments_name_them(device):
     case = CASES[0]
     batch, hq, hkv, hk, hs, slots, dim, hidden, bits = case
     g = generator_for("pair-and-select-bad", device)
-    query = strided(batch, hq, 1, dim, g, torch.float32, device)
-    key = strided(batch, hkv, 1, dim, g, torch.float32, device)
-    qw, qb = make_mlp(hq, [dim, *hidden, bits], g, torch.float32, device)
-    kw, kb = make_mlp(hk, [dim, *hidden, bits], g, torch.float32, device)
+    query, key, qw, qb, kw, kb, position = step_inputs(case, torch.float32, device, g)
     cache = random_signatures((batch, hk, slots, 1), g, device)
-    position = torch.tensor([slots - 1], device=device)
     with pytest.raises(ERRORS, match="positions"):
         ha.encode_pair_and_select(query, qw, qb, key, kw, kb, cache, position.float(), selection_heads=hs,
                                   sink_tokens=4, local_tokens=8, budget_tokens=16)
