@@ -580,7 +580,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   int4 first_batch[kLoadBatch];
   if constexpr (kQueryMlp) {  // weights only: nothing another kernel writes
     prefetch_row_mlp(mlp.query, at.s);
-    if (mlp.key.x != nullptr && at.chunk_index == static_cast<int>(gridDim.x) - 1) prefetch_row_mlp(mlp.key, at.s);
+    if (at.chunk_index == static_cast<int>(gridDim.x) - 1) prefetch_row_mlp(mlp.key, at.s);
   }
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
@@ -632,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
                       signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words)));
     }
     // The new key's signature, from the row's last chunk (the local window's: see query_mlp_prologue.cuh).
-    if (mlp.key.x != nullptr && at.l == 0 && at.chunk_index == chunks - 1) {
+    if (at.l == 0 && at.chunk_index == chunks - 1) {
       __syncthreads();  // phase 1's histogram sums have read the counters, the MLP's scratch
       store_signature(mlp.key, at.b, at.s, 0,
                       signature_from_mlp(mlp.key, at.b, at.s, 0, reinterpret_cast<float*>(counter_words)));

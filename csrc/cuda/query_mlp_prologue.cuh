@@ -28,7 +28,7 @@ namespace cuda {
 // out[b * os0 + h * os1 + slot * os2], with slot = l, or positions[0] when positions is set (the key
 // cache's slot of the new token; a slot outside [0, slots) is not written).
 struct RowMlp {
-  const __nv_bfloat16* x;  // nullptr: none
+  const __nv_bfloat16* x;
   int64_t xs0, xs1, xs2;
   int heads_per_x_head;
   const __nv_bfloat16* weights[3];  // (H, in, out) contiguous
@@ -42,7 +42,7 @@ struct RowMlp {
 
 struct QueryMlp {
   RowMlp query;  // the query-signature output (B, H, L, 1): chunk 0's block of each row writes it
-  RowMlp key;    // the new key's signature into the cache; key.x == nullptr: not encoded
+  RowMlp key;    // the new key's signature into the cache (the row's last chunk's block writes it)
 };
 
 // Host side (csrc/cuda/signatures.cu): encode_pair_and_select's CUDA kernel records the MLPs of a

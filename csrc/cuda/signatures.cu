@@ -232,11 +232,7 @@ bool describe_row_mlp(const at::Tensor& x, at::TensorList weights, at::TensorLis
   m.xs1 = x.stride(1);
   m.xs2 = x.stride(2);
   m.heads_per_x_head = static_cast<int>(heads / x.size(1));
-  m.activation = activation == "silu" ? encode::kSilu
-                 : activation == "relu" ? encode::kRelu
-                 : activation == "gelu" ? encode::kGelu
-                 : activation == "tanh" ? encode::kTanh
-                                        : encode::kIdentity;
+  m.activation = encode::activation_code(activation);
   m.out = out.data_ptr<int32_t>();
   m.os0 = out.stride(0);
   m.os1 = out.stride(1);
