@@ -67,6 +67,9 @@ constexpr int kProbeNoStores = 5, kProbeNoSplit = 6;
 // "twopass" (correct output): phase 2 takes the general two-pass path at every chunk size instead of
 // the register path, for same-build A/B timings.
 constexpr int kProbeTwoPass = 7;
+// "mlp": the kernel stops after the fused path's phase 0 (the query MLP and its grid barrier; right
+// after the window reads elsewhere), so that phase 0 can be timed apart from the launch.
+constexpr int kProbeAfterMlp = 8;
 
 // Per-block timeline (HASHATTENTION_SELECTION_TIMELINE=<device address>, set by
 // scripts/probe_selection.py --timeline; never otherwise): each block of a launch writes
@@ -579,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
   if constexpr (kQueryMlp) {  // weights only: nothing another kernel writes
-    prefetch_row_mlp(mlp.query, at.s);
+    if (at.chunk_index == 0) prefetch_row_mlp(mlp.query, at.s);
     if (at.chunk_index == static_cast<int>(gridDim.x) - 1) prefetch_row_mlp(mlp.key, at.s);
   }
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
@@ -593,13 +596,24 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   const int hi = static_cast<int>(min64(w.local_begin, int64_t(at.base) + chunk));
   const bool scored = m > 0 && m < n && lo < hi;  // the same for every thread of the block
 
+  if constexpr (kQueryMlp) {
+    // Phase 0: chunk 0's block of each row computes the row's query signature once and stores it (also
+    // for rows that need no scores); the grid barrier publishes it to the row's other blocks, whose
+    // first loads are in flight meanwhile. (Every block computing it itself cost 21 us per layer at
+    // B = 2 / 128K on an H100, twice the encoder launch it replaced: 512 copies of the MLP.)
+    if (at.chunk_index == 0) {
+      store_signature(mlp.query, at.b, at.s, at.l,
+                      signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words)));
+    }
+    cg::this_grid().sync();
+  }
+  if (probe_stop == kProbeAfterMlp) return;
+
   // ---- phase 1: distances of the chunk into shared memory, and their histograms ----
   if (scored) {
     unsigned q[kGroup];
-    if constexpr (kQueryMlp) {
-      q[0] = signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words));
-      if (at.chunk_index == 0) store_signature(mlp.query, at.b, at.s, at.l, q[0]);
-      __syncthreads();  // the scratch (the counters) is cleared next
+    if constexpr (kQueryMlp) {  // written by phase 0 in this launch: read through L2, not the read-only path
+      q[0] = static_cast<unsigned>(__ldcg(src.q + at.b * src.qs0 + int64_t(at.s) * src.qs1 + at.l * src.qs2));
     } else {
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
@@ -625,12 +639,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   }
 
   if constexpr (kQueryMlp) {
-    // A row that needs no scores (no heavy budget, or every candidate kept) still returns its query
-    // signature: chunk 0's block computes it here.
-    if (!scored && at.chunk_index == 0) {
-      store_signature(mlp.query, at.b, at.s, at.l,
-                      signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words)));
-    }
     // The new key's signature, from the row's last chunk (the local window's: see query_mlp_prologue.cuh).
     if (at.l == 0 && at.chunk_index == chunks - 1) {
       __syncthreads();  // phase 1's histogram sums have read the counters, the MLP's scratch
@@ -815,8 +823,9 @@ int selection_probe() {
   if (std::strcmp(probe, "nostores") == 0) return kProbeNoStores;
   if (std::strcmp(probe, "nosplit") == 0) return kProbeNoSplit;
   if (std::strcmp(probe, "twopass") == 0) return kProbeTwoPass;
-  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores, nosplit "
-              "or twopass (a timing aid), got '",
+  if (std::strcmp(probe, "mlp") == 0) return kProbeAfterMlp;
+  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores, nosplit, "
+              "twopass or mlp (a timing aid), got '",
               probe, "'");
 }
 

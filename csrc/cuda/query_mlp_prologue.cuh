@@ -1,6 +1,6 @@
-// encode_pair_and_select in one launch (opt-in, HASHATTENTION_FUSED_SELECTION=1, until measured on a
-// GPU): the one-launch selection computes its row's query signature itself, from the query row and the
-// query MLP, instead of reading it from the encoder's output. At B = 2 / 128K on an H100 a decode step
+// encode_pair_and_select in one launch (opt-in, HASHATTENTION_FUSED_SELECTION=1): the one-launch
+// selection computes each row's query signature itself (chunk 0's block, before a grid barrier), from
+// the query row and the query MLP, instead of reading it from the encoder's output. At B = 2 / 128K on an H100 a decode step
 // without its encoder launch took 8.47 ms against 8.82 (HASHATTENTION_ENCODER=skip,
 // benchmarks/results/ab_encoder_skip_20261205_s36.md); this path keeps what the MLPs leave of that.
 // The new key's signature is computed by the block of each row's last chunk after its phase 1 (that
@@ -117,6 +117,14 @@ __device__ __forceinline__ unsigned signature_from_mlp(const RowMlp& m, int b, i
   float* next = scratch + 128;  // its outputs
   unsigned* signature = reinterpret_cast<unsigned*>(scratch + 256);
   const int64_t x_head = h / m.heads_per_x_head;
+  // Each lane's biases, loaded up front: after the reductions they would be one more dependent L2
+  // round trip per layer.
+  float bias[3];
+#pragma unroll
+  for (int layer = 0; layer < 2; ++layer) {
+    bias[layer] = __bfloat162float(m.biases[layer][int64_t(h) * 128 + 16 * warp + (lane >> 1)]);
+  }
+  bias[2] = __bfloat162float(m.biases[2][int64_t(h) * 32 + 4 * warp + (lane >> 3)]);
   if (threadIdx.x < 128) act[threadIdx.x] = __bfloat162float(m.x[b * m.xs0 + x_head * m.xs1 + l * m.xs2 + threadIdx.x]);
   if (threadIdx.x == 0) *signature = 0u;
   __syncthreads();
@@ -151,7 +159,7 @@ __device__ __forceinline__ unsigned signature_from_mlp(const RowMlp& m, int b, i
     const float sum = reduce_scatter<16>(v);
     const int o = 16 * warp + (lane >> 1);
     if ((lane & 1) == 0) {
-      next[o] = encode::activate(sum + __bfloat162float(m.biases[layer][int64_t(h) * 128 + o]), m.activation);
+      next[o] = encode::activate(sum + bias[layer], m.activation);
     }
     __syncthreads();
     float* t = act;
@@ -176,7 +184,7 @@ __device__ __forceinline__ unsigned signature_from_mlp(const RowMlp& m, int b, i
     }
     const float sum = reduce_scatter<4>(v);
     const int o = 4 * warp + (lane >> 3);
-    if ((lane & 7) == 0 && sum + __bfloat162float(m.biases[2][int64_t(h) * 32 + o]) > 0.0f) {
+    if ((lane & 7) == 0 && sum + bias[2] > 0.0f) {
       atomicOr(signature, 1u << o);
     }
   }
