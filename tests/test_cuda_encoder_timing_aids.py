@@ -39,11 +39,13 @@ def test_skip_leaves_the_key_cache_unwritten(monkeypatch):
     assert torch.equal(cache, before)
 
 
+@pytest.mark.parametrize("local_tokens", [128, 0])
 @pytest.mark.parametrize("activation", ["silu", "relu"])
 @pytest.mark.parametrize("batch,keys", [(1, 8192), (2, 40000), (4, 131200)])
-def test_fused_selection_matches_the_two_launches(monkeypatch, activation, batch, keys):
+def test_fused_selection_matches_the_two_launches(monkeypatch, activation, batch, keys, local_tokens):
     """encode_pair_and_select with HASHATTENTION_FUSED_SELECTION=1 (the selection computes the query and
-    new-key signatures itself) against the same op in two launches."""
+    new-key signatures itself) against the same op in two launches. Without a local window the first
+    sequence's new key is one of its candidates, so the selection must score its new signature."""
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + keys)
     q_mlp, k_mlp = _mlp(g), _mlp(g)
     query = torch.randn(batch, HEADS, 1, D, generator=g, device="cuda").bfloat16()
@@ -51,7 +53,7 @@ def test_fused_selection_matches_the_two_launches(monkeypatch, activation, batch
     signatures = torch.randint(-2**31, 2**31 - 1, (batch, HEADS, keys, 1), generator=g, device="cuda",
                                dtype=torch.int32)
     lengths = torch.full((batch,), keys - 3, device="cuda", dtype=torch.int32)
-    lengths[0] = keys // 2
+    lengths[0] = keys if local_tokens == 0 else keys // 2
     positions = torch.tensor([keys - 1], device="cuda")
     # The last sequence gets no heavy budget: its rows need no scores but still return query signatures.
     budgets = torch.full((batch,), keys // 32, device="cuda", dtype=torch.int32)
@@ -59,7 +61,7 @@ def test_fused_selection_matches_the_two_launches(monkeypatch, activation, batch
 
     def step(cache):
         return ops.encode_pair_and_select(query, *q_mlp, key, *k_mlp, cache, positions, activation=activation,
-                                          selection_heads=HEADS, sink_tokens=128, local_tokens=128,
+                                          selection_heads=HEADS, sink_tokens=128, local_tokens=local_tokens,
                                           budget_tokens=keys // 32, lengths=lengths, budgets=budgets)
 
     monkeypatch.delenv("HASHATTENTION_FUSED_SELECTION", raising=False)
@@ -79,7 +81,8 @@ def test_fused_selection_matches_the_two_launches(monkeypatch, activation, batch
     assert torch.equal(fused_cache[:, :, :slot], signatures[:, :, :slot])  # only the new key's slot is written
     differing = differing_bits(fused_cache[:, :, slot], expected_cache[:, :, slot])
     assert differing <= max(2, batch * HEADS * 32 // 200), f"{differing} key bits differ"
-    rows_equal = (got_q == want_q).view(batch, HEADS)
+    # Rows compared where both signatures agree (a flipped bit changes the selection legitimately).
+    rows_equal = ((got_q == want_q).view(batch, HEADS) & (fused_cache[:, :, slot] == expected_cache[:, :, slot]).view(batch, HEADS))
     assert rows_equal.float().mean() >= 0.9
     for b in range(batch):
         for h in range(HEADS):

@@ -581,9 +581,12 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
+  // The fused path's phase 0 (below): chunk 0's block runs the row's query MLP, the next chunk's block
+  // (chunk 0's, in a one-chunk row) the new key's.
+  const int key_mlp_chunk = min(1, static_cast<int>(gridDim.x) - 1);
   if constexpr (kQueryMlp) {  // weights only: nothing another kernel writes
     if (at.chunk_index == 0) prefetch_row_mlp(mlp.query, at.s);
-    if (at.chunk_index == static_cast<int>(gridDim.x) - 1) prefetch_row_mlp(mlp.key, at.s);
+    if (at.chunk_index == key_mlp_chunk) prefetch_row_mlp(mlp.key, at.s);
   }
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
@@ -598,13 +601,14 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
 
   if constexpr (kQueryMlp) {
     // Phase 0: chunk 0's block of each row computes the row's query signature once and stores it (also
-    // for rows that need no scores); the grid barrier publishes it to the row's other blocks, whose
-    // first loads are in flight meanwhile. (Every block computing it itself cost 21 us per layer at
-    // B = 2 / 128K on an H100, twice the encoder launch it replaced: 512 copies of the MLP.)
-    if (at.chunk_index == 0) {
-      store_signature(mlp.query, at.b, at.s, at.l,
-                      signature_from_mlp(mlp.query, at.b, at.s, at.l, reinterpret_cast<float*>(counter_words)));
-    }
+    // for rows that need no scores), and chunk 1's block the new key's, into its cache slot, at the same
+    // time; the grid barrier publishes both to every block, whose first loads are in flight meanwhile.
+    // (Every block computing the query signature itself cost 21 us per layer at B = 2 / 128K on an
+    // H100, twice the encoder launch it replaced: ~9 copies of the MLP per row.)
+    float* scratch = reinterpret_cast<float*>(counter_words);
+    if (at.chunk_index == 0) store_signature(mlp.query, at.b, at.s, at.l, signature_from_mlp(mlp.query, at.b, at.s, at.l, scratch));
+    __syncthreads();  // a one-chunk row's block runs both: the first call's result is read from the scratch
+    if (at.chunk_index == key_mlp_chunk) store_signature(mlp.key, at.b, at.s, 0, signature_from_mlp(mlp.key, at.b, at.s, 0, scratch));
     cg::this_grid().sync();
   }
   if (probe_stop == kProbeAfterMlp) return;
@@ -628,6 +632,25 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
       mask_chunk_edges<kGroup>(q, loads.key_row, at.base, chunk, lo, hi, keys4, distance_words, counters);
       __syncthreads();
     }
+    if constexpr (kQueryMlp) {
+      // The new key's slot was written in phase 0 by another block, and this block's loads (the read-only
+      // path; the first batch issued before the barrier) may have seen its old word. Where the slot is
+      // one of this block's candidates (a row without a local window, say), its distance is redone
+      // from the new word, read through L2.
+      const int64_t key_slot = mlp.key.positions[0];
+      if (key_slot >= lo && key_slot < hi) {  // block-uniform
+        if (threadIdx.x == 0) {
+          auto* bytes = reinterpret_cast<unsigned char*>(distance_words);
+          const int offset = static_cast<int>(key_slot) - at.base;
+          const unsigned key = static_cast<unsigned>(
+              __ldcg(mlp.key.out + at.b * mlp.key.os0 + int64_t(at.s) * mlp.key.os1 + key_slot * mlp.key.os2));
+          counters.remove(bytes[offset]);
+          counters.add(static_cast<unsigned>(__popc(q[0] ^ key)));
+          bytes[offset] = static_cast<unsigned char>(__popc(q[0] ^ key));
+        }
+        __syncthreads();
+      }
+    }
     if (threadIdx.x < kBins) {
       const int bin = threadIdx.x;
       int32_t total = 0;  // lanes visited in a rotated order: no bank conflicts
@@ -638,14 +661,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     }
   }
 
-  if constexpr (kQueryMlp) {
-    // The new key's signature, from the row's last chunk (the local window's: see query_mlp_prologue.cuh).
-    if (at.l == 0 && at.chunk_index == chunks - 1) {
-      __syncthreads();  // phase 1's histogram sums have read the counters, the MLP's scratch
-      store_signature(mlp.key, at.b, at.s, 0,
-                      signature_from_mlp(mlp.key, at.b, at.s, 0, reinterpret_cast<float*>(counter_words)));
-    }
-  }
   if (probe_stop == kProbeAfterScoring) return;
   timeline.mark(0);
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)

@@ -1,13 +1,11 @@
-// encode_pair_and_select in one launch (opt-in, HASHATTENTION_FUSED_SELECTION=1): the one-launch
-// selection computes each row's query signature itself (chunk 0's block, before a grid barrier), from
-// the query row and the query MLP, instead of reading it from the encoder's output. At B = 2 / 128K on an H100 a decode step
-// without its encoder launch took 8.47 ms against 8.82 (HASHATTENTION_ENCODER=skip,
-// benchmarks/results/ab_encoder_skip_20261205_s36.md); this path keeps what the MLPs leave of that.
-// The new key's signature is computed by the block of each row's last chunk after its phase 1 (that
-// chunk holds the local window, which always covers the new key, so no block scores its slot; at a
-// static cache's n + 128 slots the chunk holds nothing else and its block would idle until the grid
-// barrier). The MLPs reach the selection through a host-side record that encode_pair_and_select's CUDA
-// kernel (csrc/cuda/signatures.cu) leaves for its own hamming_topk call.
+// encode_pair_and_select in one launch (opt-in, HASHATTENTION_FUSED_SELECTION=1; measured slower than
+// two launches, benchmarks/results/ab_fused_selection_20261205_s37.md): the one-launch selection computes
+// the signatures itself instead of reading the encoder's output. In its phase 0, chunk 0's block of each
+// row runs the row's query MLP and chunk 1's block the new key's (stored into its cache slot); a grid
+// barrier then publishes both. A block whose candidates include the new key's slot redoes that one
+// distance after phase 1 (its loads may have seen the old word). The MLPs reach the selection through a
+// host-side record that encode_pair_and_select's CUDA kernel (csrc/cuda/signatures.cu) leaves for its
+// own hamming_topk call.
 //
 // Shape (otherwise encode_pair_and_select runs its two ops): bfloat16 rows of 128 values with D
 // contiguous, three layers 128 -> 128 -> 128 -> 32 of bfloat16 weights and biases (contiguous
