@@ -591,7 +591,10 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
   wait_for_prerequisite_grids();
-  loads.load(0, first_batch);
+  // The fused path's MLP blocks issue their first loads after phase 0: the registers go to the MLP's
+  // weight loads, and the block scores only after the barrier anyway.
+  const bool mlp_block = kQueryMlp && (at.chunk_index == 0 || at.chunk_index == key_mlp_chunk);
+  if (!mlp_block) loads.load(0, first_batch);
 
   const RowWindow w = p.window(at.b, at.l);
   const int64_t n = w.candidates(), m = w.heavy_budget;
@@ -605,10 +608,19 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     // time; the grid barrier publishes both to every block, whose first loads are in flight meanwhile.
     // (Every block computing the query signature itself cost 21 us per layer at B = 2 / 128K on an
     // H100, twice the encoder launch it replaced: ~9 copies of the MLP per row.)
+    // Scratch: the counters (cleared after phase 0) and the distance bytes (>= 4096 bytes, written in phase 1).
     float* scratch = reinterpret_cast<float*>(counter_words);
-    if (at.chunk_index == 0) store_signature(mlp.query, at.b, at.s, at.l, signature_from_mlp(mlp.query, at.b, at.s, at.l, scratch));
-    __syncthreads();  // a one-chunk row's block runs both: the first call's result is read from the scratch
-    if (at.chunk_index == key_mlp_chunk) store_signature(mlp.key, at.b, at.s, 0, signature_from_mlp(mlp.key, at.b, at.s, 0, scratch));
+    float* partials = reinterpret_cast<float*>(distance_words);
+    if (mlp_block) {  // one branch, which ends by loading first_batch: it holds no registers before that
+      if (at.chunk_index == 0) {
+        store_signature(mlp.query, at.b, at.s, at.l, signature_from_mlp(mlp.query, at.b, at.s, at.l, scratch, partials));
+      }
+      __syncthreads();  // a one-chunk row's block runs both: the first call's result is read from the scratch
+      if (at.chunk_index == key_mlp_chunk) {
+        store_signature(mlp.key, at.b, at.s, 0, signature_from_mlp(mlp.key, at.b, at.s, 0, scratch, partials));
+      }
+      loads.load(0, first_batch);
+    }
     cg::this_grid().sync();
   }
   if (probe_stop == kProbeAfterMlp) return;

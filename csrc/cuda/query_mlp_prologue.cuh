@@ -61,32 +61,59 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
   }
 }
 
-// Sum of `kValues` per-lane partials over the warp, scattered: after the call lane l holds the full
-// sum of value index (l >> (5 - log2 kValues)) in v[0]. (kValues in {1, 2, 4, 8, 16}.)
-template <int kValues>
-__device__ __forceinline__ float reduce_scatter(float (&v)[16]) {
-  const int lane = threadIdx.x & 31;
-  int count = kValues;
+// One layer of the block's matrix-vector product, 128 inputs -> kOut outputs (128 or 32). Thread t owns
+// output group t % kGroups (8 consecutive outputs) and kInputs consecutive inputs from input group
+// t / kGroups: one 16-byte load of weights per input, all of a layer's loads in flight at once (one L2
+// round trip per layer), and 8 accumulators.
+template <int kOut>
+struct LayerTiling {
+  static constexpr int kGroups = kOut / 8;             // output groups: 16 or 4
+  static constexpr int kInputs = 128 * kGroups / 256;  // inputs per thread: 8 or 2
+  static_assert(kOut == 128 || kOut == 32, "hidden layers of 128, signatures of 32 bits");
+
+  // Issues the thread's weight loads for head h's layer (w: (H, 128, kOut) contiguous).
+  static __device__ __forceinline__ void load(const __nv_bfloat16* w, int h, uint4 (&rows)[kInputs]) {
+    const int group = threadIdx.x % kGroups, first = (threadIdx.x / kGroups) * kInputs;
+    const __nv_bfloat16* head = w + int64_t(h) * 128 * kOut + group * 8;
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset >>= 1) {
-    if (count > 1) {
-      const bool upper = (lane & offset) != 0;
-      const int half = count / 2;
+    for (int r = 0; r < kInputs; ++r) rows[r] = __ldg(reinterpret_cast<const uint4*>(head + (first + r) * kOut));
+  }
+
+  // The thread's products with the layer inputs `act` (shared, 128 floats), summed over the warp's input
+  // groups; lanes below kGroups write their output group's 8 sums to partials[warp * kOut + ...] (shared).
+  static __device__ __forceinline__ void partial_sums(const uint4 (&rows)[kInputs], const float* act, float* partials) {
+    const int group = threadIdx.x % kGroups, first = (threadIdx.x / kGroups) * kInputs, lane = threadIdx.x & 31;
+    float v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        if (k < half) {
-          const float send = upper ? v[k] : v[k + half];
-          const float keep = upper ? v[k + half] : v[k];
-          v[k] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-        }
-      }
-      count = half;
-    } else {
-      v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
+    for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kInputs; ++r) {
+      const float x = act[first + r];
+      float f[8];
+      bf16x8_to_float(rows[r], f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = fmaf(x, f[k], v[k]);
+    }
+#pragma unroll
+    for (int offset = kGroups; offset < 32; offset <<= 1) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
+    }
+    if (lane < kGroups) {
+      float4* out = reinterpret_cast<float4*>(partials + (threadIdx.x >> 5) * kOut + group * 8);
+      out[0] = make_float4(v[0], v[1], v[2], v[3]);
+      out[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
   }
-  return v[0];
-}
+
+  // Output o's sum over the 8 warps' partials (call after a barrier, from threads o < kOut).
+  static __device__ __forceinline__ float total(const float* partials, int o) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) sum += partials[w * kOut + o];
+    return sum;
+  }
+};
 
 }  // namespace query_mlp_detail
 
@@ -105,86 +132,52 @@ __device__ __forceinline__ void prefetch_row_mlp(const RowMlp& m, int h) {
   }
 }
 
-// The 32-bit signature of row (b, x head of h, l) through head h's MLP, computed by the whole block (256 threads, 8 warps)
-// in float32 from bfloat16 inputs and weights; every thread gets it. `scratch`: >= 257 floats of
-// shared memory, free for the call. Call from every thread (block barriers inside).
-__device__ __forceinline__ unsigned signature_from_mlp(const RowMlp& m, int b, int h, int l, float* scratch) {
+// The 32-bit signature of row (b, x head of h, l) through head h's MLP, computed by the whole block (256
+// threads, 8 warps) in float32 from bfloat16 inputs and weights; every thread gets it. Shared memory free
+// for the call: `scratch`, >= 257 floats, and `partials`, >= 1024 floats (16-byte aligned). Call from
+// every thread (block barriers inside). Each layer's weight loads go out together, the first layer's
+// with the input row's, and the next layer's while this one's partial sums are combined: about one L2
+// round trip per layer on the chain. (The first version -- two round trips per hidden layer and its
+// biases read after the sums -- made the selection 16 us per layer slower, H100, B = 2 / 128K.)
+__device__ __forceinline__ unsigned signature_from_mlp(const RowMlp& m, int b, int h, int l, float* scratch,
+                                                       float* partials) {
   using namespace query_mlp_detail;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  using Hidden = LayerTiling<128>;
+  using Last = LayerTiling<32>;
   float* act = scratch;         // the current layer's 128 inputs
   float* next = scratch + 128;  // its outputs
   unsigned* signature = reinterpret_cast<unsigned*>(scratch + 256);
-  const int64_t x_head = h / m.heads_per_x_head;
-  // Each lane's biases, loaded up front: after the reductions they would be one more dependent L2
-  // round trip per layer.
-  float bias[3];
-#pragma unroll
-  for (int layer = 0; layer < 2; ++layer) {
-    bias[layer] = __bfloat162float(m.biases[layer][int64_t(h) * 128 + 16 * warp + (lane >> 1)]);
+  const int t = threadIdx.x;
+  uint4 rows[Hidden::kInputs];
+  Hidden::load(m.weights[0], h, rows);
+  // Thread t < 128 finishes output t of every layer: its biases and input value, loaded up front.
+  float bias[3] = {0.0f, 0.0f, 0.0f};
+  if (t < 128) {
+    bias[0] = __bfloat162float(m.biases[0][int64_t(h) * 128 + t]);
+    bias[1] = __bfloat162float(m.biases[1][int64_t(h) * 128 + t]);
+    if (t < 32) bias[2] = __bfloat162float(m.biases[2][int64_t(h) * 32 + t]);
+    act[t] = __bfloat162float(m.x[b * m.xs0 + int64_t(h / m.heads_per_x_head) * m.xs1 + l * m.xs2 + t]);
   }
-  bias[2] = __bfloat162float(m.biases[2][int64_t(h) * 32 + 4 * warp + (lane >> 3)]);
-  if (threadIdx.x < 128) act[threadIdx.x] = __bfloat162float(m.x[b * m.xs0 + x_head * m.xs1 + l * m.xs2 + threadIdx.x]);
-  if (threadIdx.x == 0) *signature = 0u;
   __syncthreads();
-  // Layers 1-2 (128 -> 128): warp w owns outputs 16w .. 16w + 15, lane l inputs 4l .. 4l + 3.
+  uint4 last_rows[Last::kInputs];
 #pragma unroll  // static layer indices: the kernel parameter's arrays stay in the constant bank
   for (int layer = 0; layer < 2; ++layer) {
-    const __nv_bfloat16* w = m.weights[layer] + int64_t(h) * 128 * 128 + 16 * warp;
-    float v[16];
-#pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = 0.0f;
-#pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {  // two rows of loads in flight at a time (48 registers per thread)
-      uint4 rows[2][2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint4* row = reinterpret_cast<const uint4*>(w + (4 * lane + 2 * pair + r) * 128);
-        rows[r][0] = __ldg(row);
-        rows[r][1] = __ldg(row + 1);
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float x = act[4 * lane + 2 * pair + r];
-        float f[8];
-        bf16x8_to_float(rows[r][0], f);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = fmaf(x, f[k], v[k]);
-        bf16x8_to_float(rows[r][1], f);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[8 + k] = fmaf(x, f[k], v[8 + k]);
-      }
-    }
-    const float sum = reduce_scatter<16>(v);
-    const int o = 16 * warp + (lane >> 1);
-    if ((lane & 1) == 0) {
-      next[o] = encode::activate(sum + bias[layer], m.activation);
-    }
+    Hidden::partial_sums(rows, act, partials);
+    // The next layer's weights, in flight while these sums are combined.
+    if (layer == 0) Hidden::load(m.weights[1], h, rows);
+    if (layer == 1) Last::load(m.weights[2], h, last_rows);
     __syncthreads();
-    float* t = act;
+    if (t < 128) next[t] = encode::activate(Hidden::total(partials, t) + bias[layer], m.activation);
+    __syncthreads();
+    float* swap = act;
     act = next;
-    next = t;
+    next = swap;
   }
-  // Layer 3 (128 -> 32): warp w owns outputs 4w .. 4w + 3.
-  {
-    const __nv_bfloat16* w = m.weights[2] + int64_t(h) * 128 * 32 + 4 * warp;
-    float v[16];
-#pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = 4 * lane + r;
-      const uint2 pair = __ldg(reinterpret_cast<const uint2*>(w + i * 32));
-      const float x = act[i];
-      v[0] = fmaf(x, __uint_as_float(pair.x << 16), v[0]);
-      v[1] = fmaf(x, __uint_as_float(pair.x & 0xffff0000u), v[1]);
-      v[2] = fmaf(x, __uint_as_float(pair.y << 16), v[2]);
-      v[3] = fmaf(x, __uint_as_float(pair.y & 0xffff0000u), v[3]);
-    }
-    const float sum = reduce_scatter<4>(v);
-    const int o = 4 * warp + (lane >> 3);
-    if ((lane & 7) == 0 && sum + bias[2] > 0.0f) {
-      atomicOr(signature, 1u << o);
-    }
+  Last::partial_sums(last_rows, act, partials);
+  __syncthreads();
+  if (t < 32) {  // warp 0: bit t of the signature is output t's sign
+    const unsigned bits = __ballot_sync(0xffffffffu, Last::total(partials, t) + bias[2] > 0.0f);
+    if (t == 0) *signature = bits;
   }
   __syncthreads();
   return *signature;
