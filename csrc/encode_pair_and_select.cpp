@@ -8,7 +8,8 @@
 // general path. On CUDA the step can instead run in one launch -- the selection computing the query
 // and new-key signatures itself, which removes the encoder launch and the waits around it (0.35 ms per
 // step at B = 2 / 128K on an H100: benchmarks/results/ab_encoder_skip_20261205_s36.md); that path
-// (csrc/cuda/signatures.cu, csrc/cuda/query_mlp_prologue.cuh) is opt-in until it is measured.
+// (csrc/cuda/signatures.cu, csrc/cuda/query_mlp_prologue.cuh) is opt-in: measured slower so far
+// (benchmarks/results/ab_fused_selection_20261205_s37.md).
 #include "encode_pair_and_select.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -289,8 +289,9 @@ def encode_pair_and_select(
         indices, counts = hamming_topk(query_signatures, key_signatures, selection_heads=..., ...)
 
     One op for the two so that a kernel may run the whole step in one launch (the selection computing
-    the query signatures itself). Today every device runs the two ops in turn; their argument checks
-    and errors apply.
+    the query signatures itself). By default every device runs the two ops in turn; their argument
+    checks and errors apply. On CUDA, ``HASHATTENTION_FUSED_SELECTION=1`` takes one launch where the
+    shapes allow (opt-in: measured slower than two launches so far).
 
     Args:
         query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions,

@@ -3,8 +3,8 @@
 A decode step's selection needs the query signatures first. `encode_pair_and_select` runs the encoder
 (query rows and the new key, `encode_signatures_pair_into`) and then `hamming_topk`, two launches; with
 HASHATTENTION_FUSED_SELECTION=1 the one-launch selection kernel computes the signatures itself
-(csrc/cuda/query_mlp_prologue.cuh: chunk 0's block of each row runs the query MLP before a grid barrier,
-the row's last-chunk block the new key's MLP after its phase 1). This script times graph replays of one
+(csrc/cuda/query_mlp_prologue.cuh: in a phase 0 before a grid barrier, chunk 0's block of each row runs
+the query MLP and chunk 1's block the new key's). This script times graph replays of one
 call per layer buffer (rotated over --layers buffers, so that signatures and MLP weights come from DRAM,
 as in a model), for:
 
@@ -14,11 +14,12 @@ as in a model), for:
     fused          encode_pair_and_select, HASHATTENTION_FUSED_SELECTION=1
     select@mlp     hamming_topk stopped where phase 0 would end (HASHATTENTION_SELECTION_PROBE=mlp): launch,
                    window reads and first loads
-    fused@mlp      the fused kernel stopped after phase 0: the same plus the query MLP and its grid barrier
-    select@scoring / fused@scoring   both stopped after phase 1 (the fused one includes the new key's MLP)
+    fused@mlp      the fused kernel stopped after phase 0: the same plus both MLPs and the grid barrier
+    select@scoring / fused@scoring   both stopped after phase 1
 
-and prints each one's median µs, so that phase 0 (fused@mlp - select@mlp) and the new key's MLP
-(fused@scoring - select@scoring - phase 0) show apart. The probed runs leave outputs unwritten (timing only).
+and prints each one's median µs, so that phase 0 (fused@mlp - select@mlp) and what else the fused kernel
+adds up to the end of phase 1 (fused@scoring - select@scoring - phase 0: the new key's distance redone,
+register pressure) show apart. The probed runs leave outputs unwritten (timing only).
 
     python scripts/probe_fused_selection.py                      # B = 1 and 2 (4 where memory allows), 128K
     python scripts/probe_fused_selection.py --batches 4 --ns 32768 131072
@@ -137,7 +138,7 @@ def main():
                     row[name] = time_variant(op, inputs, batch, n, args)
                 os.environ[PROBE] = ""
                 row["phase0_us"] = row["fused@mlp"] - row["select@mlp"]
-                row["key_mlp_us"] = row["fused@scoring"] - row["select@scoring"] - row["phase0_us"]
+                row["phase1_extra_us"] = row["fused@scoring"] - row["select@scoring"] - row["phase0_us"]
                 results.append(row)
                 print(f"B={batch} n={n}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
                                                         if k not in ("batch", "n")), flush=True)
@@ -149,7 +150,7 @@ def main():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    names = [v[0] for v in VARIANTS] + ["phase0_us", "key_mlp_us"]
+    names = [v[0] for v in VARIANTS] + ["phase0_us", "phase1_extra_us"]
     print("\n| B | n | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for row in results:

@@ -545,8 +545,9 @@ __device__ __forceinline__ bool count_and_write_from_registers(const uint4* vect
 constexpr int kMinResidentBlocks = 5;
 
 // kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
-// kQueryMlp (EXPERIMENT, query_mlp_prologue.cuh; group 1 only): each block computes its row's query
-// signature from `mlp` instead of reading src.q. Dynamic shared memory: `chunk` distance bytes.
+// kQueryMlp (opt-in HASHATTENTION_FUSED_SELECTION, query_mlp_prologue.cuh; group 1 only): a phase 0 computes
+// the rows' query signatures and the new keys' from `mlp` (then read from src.q, which it wrote). Dynamic
+// shared memory: `chunk` distance bytes.
 template <int kGroup, bool kQueryMlp = false>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,

@@ -40,7 +40,7 @@ struct RowMlp {
 
 struct QueryMlp {
   RowMlp query;  // the query-signature output (B, H, L, 1): chunk 0's block of each row writes it
-  RowMlp key;    // the new key's signature into the cache (the row's last chunk's block writes it)
+  RowMlp key;    // the new key's signature into the cache (chunk 1's block, chunk 0's in a one-chunk row)
 };
 
 // Host side (csrc/cuda/signatures.cu): encode_pair_and_select's CUDA kernel records the MLPs of a

@@ -307,8 +307,8 @@ at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Ten
 }
 
 namespace {
-// HASHATTENTION_FUSED_SELECTION=1: encode_pair_and_select may run in one launch (off by default until
-// measured on a GPU; read on every call, as the other switches, so tests can flip it).
+// HASHATTENTION_FUSED_SELECTION=1: encode_pair_and_select may run in one launch (off by default: measured
+// slower than two launches so far; read on every call, as the other switches, so tests can flip it).
 bool fused_selection_enabled() {
   const char* value = std::getenv("HASHATTENTION_FUSED_SELECTION");
   return value != nullptr && std::strcmp(value, "1") == 0;
