@@ -288,10 +288,10 @@ def encode_pair_and_select(
                                                        key_biases, key_signatures, positions, activation)
         indices, counts = hamming_topk(query_signatures, key_signatures, selection_heads=..., ...)
 
-    One op for the two so that a kernel may run the whole step in one launch (the selection computing
-    the query signatures itself). By default every device runs the two ops in turn; their argument
-    checks and errors apply. On CUDA, ``HASHATTENTION_FUSED_SELECTION=1`` takes one launch where the
-    shapes allow (opt-in: measured slower than two launches so far).
+    One op for one step of the model: every device runs the two ops in turn, and their argument checks
+    and errors apply. (A one-launch CUDA version, the selection computing the signatures itself, was
+    measured no faster than the two launches and removed; ``csrc/encode_pair_and_select.cpp`` says
+    where its results are.)
 
     Args:
         query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|fused|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -89,13 +89,5 @@ if [[ " $STEPS " == *" states "* ]]; then  # not part of "all"
       --out "$OUT/states/$state" --trace-dir "$OUT/states/$state" > "$OUT/states_$state.log" 2>&1
     echo "$state rc=$?"; grep -E "first call|ms/step|CUDA-graph replays" "$OUT/states_$state.log"
   done
-fi
-if [[ " $STEPS " == *" fused "* ]]; then  # not part of "all"
-  el "one-launch encode_pair_and_select: op-level probe, then its CUDA tests"
-  timeout ${FUSED_SECONDS:-120} python3 scripts/probe_fused_selection.py ${FUSED_ARGS:---batches 2 1 --ns 131072 32768} \
-    --json "$OUT/probe_fused.json" > "$OUT/probe_fused.log" 2>&1
-  echo "probe rc=$?"; tail -9 "$OUT/probe_fused.log"
-  timeout 90 python3 -m pytest tests/test_cuda_encoder_timing_aids.py -q -p no:cacheprovider > "$OUT/pytest_fused.log" 2>&1
-  echo "pytest rc=$?"; tail -3 "$OUT/pytest_fused.log"; grep -E "^E  " "$OUT/pytest_fused.log" | head -8
 fi
 el done

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 #include "programmatic_launch.cuh"
 
@@ -58,15 +57,6 @@ __device__ __forceinline__ int32_t* signature_row(const FusedMlpParams& p, int64
     if (slot < 0 || slot >= p.slots) return nullptr;
   }
   return p.out + b * p.os0 + h * p.os1 + slot * p.os2;
-}
-
-// The Activation of an op's (already checked) activation name.
-inline int activation_code(const std::string& activation) {
-  if (activation == "silu") return kSilu;
-  if (activation == "relu") return kRelu;
-  if (activation == "gelu") return kGelu;
-  if (activation == "tanh") return kTanh;
-  return kIdentity;
 }
 
 __device__ __forceinline__ float activate(float v, int activation) {

@@ -299,6 +299,14 @@ __global__ void __launch_bounds__(kEncodeThreads) fused_mlp_sign_kernel(FusedMlp
   }
 }
 
+int activation_code(const std::string& activation) {
+  if (activation == "silu") return kSilu;
+  if (activation == "relu") return kRelu;
+  if (activation == "gelu") return kGelu;
+  if (activation == "tanh") return kTanh;
+  return kIdentity;
+}
+
 // Dynamic shared memory one block of problem p needs: activations and biases, then every
 // layer's weights at once when the total fits (each layer rounded up to 8 elements, as
 // staged_elements does; sets p.all_staged), else kStageBytes tiles (at most 64 + 32 + 64 KB with

@@ -35,7 +35,6 @@
 // cooperatively, which guarantees that all blocks are resident (the barrier cannot deadlock)
 // and is captured by CUDA graphs like any kernel launch.
 #include "hamming_topk_resident.h"
-#include "query_mlp_prologue.cuh"
 
 #include <cooperative_groups.h>
 
@@ -67,9 +66,6 @@ constexpr int kProbeNoStores = 5, kProbeNoSplit = 6;
 // "twopass" (correct output): phase 2 takes the general two-pass path at every chunk size instead of
 // the register path, for same-build A/B timings.
 constexpr int kProbeTwoPass = 7;
-// "mlp": the kernel stops after the fused path's phase 0 (the query MLP and its grid barrier; right
-// after the window reads elsewhere), so that phase 0 can be timed apart from the launch.
-constexpr int kProbeAfterMlp = 8;
 
 // Per-block timeline (HASHATTENTION_SELECTION_TIMELINE=<device address>, set by
 // scripts/probe_selection.py --timeline; never otherwise): each block of a launch writes
@@ -545,14 +541,11 @@ __device__ __forceinline__ bool count_and_write_from_registers(const uint4* vect
 constexpr int kMinResidentBlocks = 5;
 
 // kGroup: query heads per selection head (the distance of a position sums kGroup popcounts).
-// kQueryMlp (opt-in HASHATTENTION_FUSED_SELECTION, query_mlp_prologue.cuh; group 1 only): a phase 0 computes
-// the rows' query signatures and the new keys' from `mlp` (then read from src.q, which it wrote). Dynamic
-// shared memory: `chunk` distance bytes.
-template <int kGroup, bool kQueryMlp = false>
+// Dynamic shared memory: `chunk` distance bytes.
+template <int kGroup>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,
-                           int probe_stop, int32_t* timeline_out, QueryMlp mlp) {
-  static_assert(!kQueryMlp || kGroup == 1, "the query-MLP experiment selects per query head");
+                           int probe_stop, int32_t* timeline_out) {
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
   constexpr int kBins = Counters::kBins;    // possible distances
@@ -582,20 +575,10 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   loads.last_batch = chunk / (kThreads * 4 * kLoadBatch) - 1;  // 4096 positions per batch
   loads.last_position = min(at.base + chunk, keys4) - 4;
   int4 first_batch[kLoadBatch];
-  // The fused path's phase 0 (below): chunk 0's block runs the row's query MLP, the next chunk's block
-  // (chunk 0's, in a one-chunk row) the new key's.
-  const int key_mlp_chunk = min(1, static_cast<int>(gridDim.x) - 1);
-  if constexpr (kQueryMlp) {  // weights only: nothing another kernel writes
-    if (at.chunk_index == 0) prefetch_row_mlp(mlp.query, at.s);
-    if (at.chunk_index == key_mlp_chunk) prefetch_row_mlp(mlp.key, at.s);
-  }
   // Launched programmatically (see launch_for_group), this block may be placed while the kernel
   // before it still runs: nothing global is read before that grid is done.
   wait_for_prerequisite_grids();
-  // The fused path's MLP blocks issue their first loads after phase 0: the registers go to the MLP's
-  // weight loads, and the block scores only after the barrier anyway.
-  const bool mlp_block = kQueryMlp && (at.chunk_index == 0 || at.chunk_index == key_mlp_chunk);
-  if (!mlp_block) loads.load(0, first_batch);
+  loads.load(0, first_batch);
 
   const RowWindow w = p.window(at.b, at.l);
   const int64_t n = w.candidates(), m = w.heavy_budget;
@@ -603,39 +586,12 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   const int hi = static_cast<int>(min64(w.local_begin, int64_t(at.base) + chunk));
   const bool scored = m > 0 && m < n && lo < hi;  // the same for every thread of the block
 
-  if constexpr (kQueryMlp) {
-    // Phase 0: chunk 0's block of each row computes the row's query signature once and stores it (also
-    // for rows that need no scores), and chunk 1's block the new key's, into its cache slot, at the same
-    // time; the grid barrier publishes both to every block, whose first loads are in flight meanwhile.
-    // (Every block computing the query signature itself cost 21 us per layer at B = 2 / 128K on an
-    // H100, twice the encoder launch it replaced: ~9 copies of the MLP per row.)
-    // Scratch: the counters (cleared after phase 0) and the distance bytes (>= 4096 bytes, written in phase 1).
-    float* scratch = reinterpret_cast<float*>(counter_words);
-    float* partials = reinterpret_cast<float*>(distance_words);
-    if (mlp_block) {  // one branch, which ends by loading first_batch: it holds no registers before that
-      if (at.chunk_index == 0) {
-        store_signature(mlp.query, at.b, at.s, at.l, signature_from_mlp(mlp.query, at.b, at.s, at.l, scratch, partials));
-      }
-      __syncthreads();  // a one-chunk row's block runs both: the first call's result is read from the scratch
-      if (at.chunk_index == key_mlp_chunk) {
-        store_signature(mlp.key, at.b, at.s, 0, signature_from_mlp(mlp.key, at.b, at.s, 0, scratch, partials));
-      }
-      loads.load(0, first_batch);
-    }
-    cg::this_grid().sync();
-  }
-  if (probe_stop == kProbeAfterMlp) return;
-
   // ---- phase 1: distances of the chunk into shared memory, and their histograms ----
   if (scored) {
     unsigned q[kGroup];
-    if constexpr (kQueryMlp) {  // written by phase 0 in this launch: read through L2, not the read-only path
-      q[0] = static_cast<unsigned>(__ldcg(src.q + at.b * src.qs0 + int64_t(at.s) * src.qs1 + at.l * src.qs2));
-    } else {
 #pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        q[g] = static_cast<unsigned>(src.q[at.b * src.qs0 + (int64_t(at.s) * kGroup + g) * src.qs1 + at.l * src.qs2]);
-      }
+    for (int g = 0; g < kGroup; ++g) {
+      q[g] = static_cast<unsigned>(src.q[at.b * src.qs0 + (int64_t(at.s) * kGroup + g) * src.qs1 + at.l * src.qs2]);
     }
     for (int i = threadIdx.x; i < Counters::kWords; i += kThreads) counter_words[i] = 0;
     __syncthreads();
@@ -644,25 +600,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     if (lo > at.base || hi < at.base + chunk) {  // block-uniform
       mask_chunk_edges<kGroup>(q, loads.key_row, at.base, chunk, lo, hi, keys4, distance_words, counters);
       __syncthreads();
-    }
-    if constexpr (kQueryMlp) {
-      // The new key's slot was written in phase 0 by another block, and this block's loads (the read-only
-      // path; the first batch issued before the barrier) may have seen its old word. Where the slot is
-      // one of this block's candidates (a row without a local window, say), its distance is redone
-      // from the new word, read through L2.
-      const int64_t key_slot = mlp.key.positions[0];
-      if (key_slot >= lo && key_slot < hi) {  // block-uniform
-        if (threadIdx.x == 0) {
-          auto* bytes = reinterpret_cast<unsigned char*>(distance_words);
-          const int offset = static_cast<int>(key_slot) - at.base;
-          const unsigned key = static_cast<unsigned>(
-              __ldcg(mlp.key.out + at.b * mlp.key.os0 + int64_t(at.s) * mlp.key.os1 + key_slot * mlp.key.os2));
-          counters.remove(bytes[offset]);
-          counters.add(static_cast<unsigned>(__popc(q[0] ^ key)));
-          bytes[offset] = static_cast<unsigned char>(__popc(q[0] ^ key));
-        }
-        __syncthreads();
-      }
     }
     if (threadIdx.x < kBins) {
       const int bin = threadIdx.x;
@@ -851,9 +788,8 @@ int selection_probe() {
   if (std::strcmp(probe, "nostores") == 0) return kProbeNoStores;
   if (std::strcmp(probe, "nosplit") == 0) return kProbeNoSplit;
   if (std::strcmp(probe, "twopass") == 0) return kProbeTwoPass;
-  if (std::strcmp(probe, "mlp") == 0) return kProbeAfterMlp;
-  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores, nosplit, "
-              "twopass or mlp (a timing aid), got '",
+  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores, nosplit "
+              "or twopass (a timing aid), got '",
               probe, "'");
 }
 
@@ -903,9 +839,9 @@ struct ChunkChoice {
   int64_t max_rows = 0;  // the most rows one resident launch can serve, at any allowed chunk size
 };
 
-template <int kGroup, bool kQueryMlp>
+template <int kGroup>
 ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
-  const auto kernel = resident_select_kernel<kGroup, kQueryMlp>;
+  const auto kernel = resident_select_kernel<kGroup>;
   const int64_t sms = multiprocessor_count();
   // Resident blocks per multiprocessor for each chunk size: fixed by the kernel and the
   // architecture, so asked from the driver once (-1: not yet).
@@ -943,12 +879,11 @@ ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
 // batch fits, else slices of one batch's head rows; slices as equal as possible. Two launches of
 // the one-launch kernel still read each signature once, where the chunked two-kernel path read
 // them twice (H200, B = 8 / 128K / 32x per query head: 150 us on the chunked path).
-template <int kGroup, bool kQueryMlp = false>
-bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like,
-                      QueryMlp mlp = QueryMlp{}) {
+template <int kGroup>
+bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_t row_count, const at::Tensor& like) {
   constexpr int kBins = PhaseOneCounters<kGroup>::kBins;
   const int64_t head_rows = p.heads * p.rows, batches = row_count / head_rows;
-  ChunkChoice choice = choose_chunk<kGroup, kQueryMlp>(p, row_count);
+  ChunkChoice choice = choose_chunk<kGroup>(p, row_count);
   int64_t slice_batches = batches, slice_head_rows = head_rows;
   if (choice.index < 0) {
     if (choice.max_rows == 0) return false;  // not even one row fits: the chunked path
@@ -959,11 +894,11 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
       slice_batches = 1;
       slice_head_rows = ceil_div(head_rows, ceil_div(head_rows, choice.max_rows));
     }
-    choice = choose_chunk<kGroup, kQueryMlp>(p, slice_batches * slice_head_rows);
+    choice = choose_chunk<kGroup>(p, slice_batches * slice_head_rows);
     TORCH_CHECK(choice.index >= 0, "hamming_topk: internal error, no resident grid for a slice of ",
                 slice_batches * slice_head_rows, " rows");
   }
-  const auto kernel = resident_select_kernel<kGroup, kQueryMlp>;
+  const auto kernel = resident_select_kernel<kGroup>;
   int chunk = kChunkSizes[choice.index];
   const int64_t chunks = std::max<int64_t>(1, ceil_div(p.keys, chunk));
   allow_shared_memory(kernel, chunk);
@@ -979,7 +914,7 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   for (int64_t z = 0; z < batches; z += slice_batches) {
     for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
       int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
-      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline, &mlp};
+      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline};
       const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
                       static_cast<unsigned>(std::min(slice_batches, batches - z)));
       // Cooperative (every block resident: the grid barrier cannot deadlock) and, where allowed,
@@ -1014,12 +949,6 @@ bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource&
   if (p.keys > (int64_t(1) << 30) || row_count >= (int64_t(1) << 31) || p.heads * p.rows > 65535 ||
       row_count / (p.heads * p.rows) > 65535 || !supports_cooperative_launch()) {
     return false;
-  }
-  QueryMlp mlp{};
-  if (src.group == 1 && peek_pending_query_mlp(src.q, mlp)) {  // encode_pair_and_select in one launch
-    if (!launch_for_group<1, true>(p, src, row_count, like, mlp)) return false;
-    consume_pending_query_mlp();
-    return true;
   }
   switch (src.group) {
     case 1: return launch_for_group<1>(p, src, row_count, like);

@@ -10,8 +10,6 @@
 // outputs (one 128-byte coalesced load) and a warp ballot turns their signs into the int32 word.
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <tuple>
 
@@ -19,8 +17,6 @@
 #include "cuda_common.cuh"
 #include "encode_choice.h"
 #include "encode_heads.h"
-#include "encode_pair_and_select.h"
-#include "query_mlp_prologue.cuh"
 #include "encode_fused.h"
 #include "mlp_activation.h"
 #include "op_arguments.h"
@@ -197,65 +193,6 @@ std::tuple<at::Tensor, at::Tensor> encode_signatures_pair_cuda(
   return {query_out, key_out};
 }
 
-// ---- encode_pair_and_select in one launch (opt-in: HASHATTENTION_FUSED_SELECTION=1) ----------------
-// The composite records the query and new-key MLPs for the one-launch selection of its hamming_topk
-// call (query_mlp_prologue.cuh), which computes the signatures itself; nothing else ever sees the record.
-namespace {
-thread_local bool pending_query_mlp_set = false;
-thread_local QueryMlp pending_query_mlp;
-
-// One MLP problem of a pair_into call in the experiment's shape (see query_mlp_prologue.cuh): rows of x
-// (B, Hx, L, 128) into `out` (int32, one word per row) at slot l, or at positions[0] when positions is
-// set; false for any other shape.
-bool describe_row_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases, const std::string& activation,
-                      const at::Tensor& out, const at::Tensor* positions, RowMlp& m) {
-  const int64_t heads = out.size(1);
-  if (x.scalar_type() != at::kBFloat16 || x.size(3) != 128 || x.stride(3) != 1 || heads % x.size(1) != 0 ||
-      weights.size() != 3 || biases.size() != 3 || out.size(3) != 1) {
-    return false;
-  }
-  const int64_t widths[4] = {128, 128, 128, 32};
-  for (int l = 0; l < 3; ++l) {
-    const at::Tensor& w = weights[l];
-    const at::Tensor& b = biases[l];
-    if (w.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 || !w.is_contiguous() ||
-        !b.is_contiguous() || w.dim() != 3 || w.size(0) != heads || w.size(1) != widths[l] ||
-        w.size(2) != widths[l + 1] || b.numel() != heads * widths[l + 1] ||
-        reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 != 0) {
-      return false;
-    }
-    m.weights[l] = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
-    m.biases[l] = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
-  }
-  m.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-  m.xs0 = x.stride(0);
-  m.xs1 = x.stride(1);
-  m.xs2 = x.stride(2);
-  m.heads_per_x_head = static_cast<int>(heads / x.size(1));
-  m.activation = encode::activation_code(activation);
-  m.out = out.data_ptr<int32_t>();
-  m.os0 = out.stride(0);
-  m.os1 = out.stride(1);
-  m.os2 = out.stride(2);
-  m.positions = positions != nullptr ? positions->data_ptr<int64_t>() : nullptr;
-  m.slots = out.size(2);
-  return true;
-}
-}  // namespace
-
-void record_pending_query_mlp(const QueryMlp& mlp) {
-  pending_query_mlp = mlp;
-  pending_query_mlp_set = true;
-}
-
-bool peek_pending_query_mlp(const int32_t* query_signatures, QueryMlp& mlp) {
-  if (!pending_query_mlp_set || pending_query_mlp.query.out != query_signatures) return false;
-  mlp = pending_query_mlp;
-  return true;
-}
-
-void consume_pending_query_mlp() { pending_query_mlp_set = false; }
-
 // The pair with the key signatures stored into a cache at `positions` (device values, not checked:
 // slots outside [0, S) are skipped). The fused launch writes them in place; other paths encode the
 // keys into a temporary and store its rows.
@@ -306,67 +243,9 @@ at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Ten
   return out;
 }
 
-namespace {
-// HASHATTENTION_FUSED_SELECTION=1: encode_pair_and_select may run in one launch (off by default: measured
-// slower than two launches so far; read on every call, as the other switches, so tests can flip it).
-bool fused_selection_enabled() {
-  const char* value = std::getenv("HASHATTENTION_FUSED_SELECTION");
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
-
-// Clears the record whatever happens in between (an error in the selection's checks included), so that
-// no later hamming_topk can take it.
-struct PendingQueryMlpScope {
-  explicit PendingQueryMlpScope(const QueryMlp& mlp) { record_pending_query_mlp(mlp); }
-  ~PendingQueryMlpScope() { consume_pending_query_mlp(); }
-  PendingQueryMlpScope(const PendingQueryMlpScope&) = delete;
-  PendingQueryMlpScope& operator=(const PendingQueryMlpScope&) = delete;
-};
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> encode_pair_and_select_cuda(
-    const at::Tensor& query, at::TensorList query_weights, at::TensorList query_biases, const at::Tensor& key,
-    at::TensorList key_weights, at::TensorList key_biases, at::Tensor& key_signatures, const at::Tensor& positions,
-    c10::string_view activation_view, int64_t selection_heads, int64_t sink_tokens, int64_t local_tokens,
-    int64_t budget_tokens, const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& start_positions,
-    const std::optional<at::Tensor>& budgets) {
-  if (fused_selection_enabled() && encoder_choice_from_environment() == EncoderChoice::kAuto) {
-    const std::string activation(activation_view);
-    const EncodePairDims dims =
-        check_encode_pair_into_args(query, query_weights.vec(), query_biases.vec(), key, key_weights.vec(),
-                                    key_biases.vec(), key_signatures, positions, activation);
-    const c10::cuda::CUDAGuard guard(query.device());
-    at::Tensor query_out = new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
-                                      query.options().dtype(at::kInt));
-    QueryMlp mlp{};
-    // One query row and one new key per sequence, per-query-head MLPs, signatures of one word.
-    const bool one_step = query.size(2) == 1 && key.size(0) == query.size(0) && key.size(2) == 1 &&
-                          positions.numel() == 1 && selection_heads == query.size(1) &&
-                          key_signatures.size(1) == query.size(1);
-    if (one_step && describe_row_mlp(query, query_weights, query_biases, activation, query_out, nullptr, mlp.query) &&
-        describe_row_mlp(key, key_weights, key_biases, activation, key_signatures, &positions, mlp.key)) {
-      bool fused = false;
-      std::tuple<at::Tensor, at::Tensor> selection;
-      {
-        PendingQueryMlpScope scope(mlp);
-        selection = hamming_topk_call(query_out, key_signatures, selection_heads, sink_tokens, local_tokens,
-                                      budget_tokens, lengths, start_positions, budgets);
-        fused = !pending_query_mlp_set;  // the one-launch selection consumed the record
-      }
-      if (fused) return {std::get<0>(selection), std::get<1>(selection), query_out};
-      // Another selection path ran on the unwritten signatures (a grid that is not resident): the step
-      // again in two launches, which overwrites its outputs.
-    }
-  }
-  return encode_pair_and_select(query, query_weights, query_biases, key, key_weights, key_biases, key_signatures,
-                                positions, activation_view, selection_heads, sink_tokens, local_tokens, budget_tokens,
-                                lengths, start_positions, budgets);
-}
-
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
-  m.impl("encode_pair_and_select", &cuda::encode_pair_and_select_cuda);
   m.impl("encode_signatures", &cuda::encode_signatures_cuda);
   m.impl("encode_signatures_pair", &cuda::encode_signatures_pair_cuda);
   m.impl("encode_signatures_pair_into", &cuda::encode_signatures_pair_into_cuda);
