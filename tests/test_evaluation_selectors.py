@@ -317,14 +317,15 @@ def test_h2o_dense_statistics_over_row_blocks(monkeypatch, rows, keys_total):
     torch.testing.assert_close(selector.state[0][0].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, follow, selection_heads", [
-    ("hashattention-follow", 8, 4), ("hashattention-follow-32", 32, 4), ("hashattention-follow-group", 8, 2)])
+@pytest.mark.parametrize("name, follow, selection_heads, keep", [
+    ("hashattention-follow", 8, 4, False), ("hashattention-follow-32", 32, 4, False),
+    ("hashattention-follow-group", 8, 2, False), ("hashattention-follow-keep", 8, 4, True)])
 def test_hashattention_follow_forces_the_successors_of_the_last_rows_strongest_keys(adapter_dirs, name, follow,
-                                                                                    selection_heads):
+                                                                                    selection_heads, keep):
     """Per step: plain Hamming scores (per query head, or summed over a KV group), with +inf at p + 1 for the
     `follow` keys p of largest logit that each query head's previous row attended to (the prefill's last row:
     among all its keys; a sparse row: among the keys its selection chose; a group forces the union of its
-    heads' successors), computed here by loops in float64."""
+    heads' successors; with `keep`, at p as well), computed here by loops in float64."""
     directory, adapters = adapter_dirs["query"]
     selector = prepared(name, adapters_dir=directory)
     assert selector.identity()["follow_tokens"] == follow
@@ -352,6 +353,8 @@ def test_hashattention_follow_forces_the_successors_of_the_last_rows_strongest_k
                 if j + 1 <= p:
                     scores[0, h // group, 0, j + 1] = float("inf")
                     forced += 1
+                if keep:
+                    scores[0, h // group, 0, j] = float("inf")
         want = brute_force_select(scores, 1, 2, 12)
         assert selected_sets(indices, counts) == want, f"step {p}"
         _, lse = torch.ops.hashattention.sparse_attention.default(q, k, value[:, :, : p + 1], indices, counts, None,
@@ -365,3 +368,5 @@ def test_hashattention_follow_rejects_a_bad_count():
     from hashattention.evaluation.selectors.hashattention_follow import FollowAttended
     with pytest.raises(ValueError, match="follow_tokens must be a positive int"):
         FollowAttended(follow_tokens=0)
+    with pytest.raises(ValueError, match="keep_attended must be a bool"):
+        FollowAttended(keep_attended=1)

@@ -15,6 +15,10 @@ attention, no extra memory per token: the state is ``follow_tokens`` positions p
 ``hashattention-follow-group`` does the same on group-shared HashAttention: each query head of a KV
 group follows its own ``follow_tokens`` strongest keys among those the group's shared selection
 chose, and the group's selection forces the union of their successors.
+
+``hashattention-follow-keep`` forces the followed keys ``p`` themselves as well as ``p + 1``: a head
+that reads a needle's key while it copies the value (or a list item's context while it copies the
+item) wants both at the next step. Up to ``2 * follow_tokens`` forced positions.
 """
 
 from __future__ import annotations
@@ -30,17 +34,24 @@ from .signature_cache import cached_key_signatures
 class FollowAttended(HashAttentionSelector):
     name = "hashattention-follow"
     variants = {"": {"follow_tokens": 8}, "-32": {"follow_tokens": 32},
-                "-group": {"follow_tokens": 8, "selection": "kv"}}
+                "-group": {"follow_tokens": 8, "selection": "kv"},
+                "-keep": {"follow_tokens": 8, "keep_attended": True}}
     sequential_rows = True  # a row's selection depends on the previous row's attention
 
-    def __init__(self, follow_tokens: int = 8, selection: str = "query"):
+    def __init__(self, follow_tokens: int = 8, selection: str = "query", keep_attended: bool = False):
         super().__init__(selection=selection)
         if not isinstance(follow_tokens, int) or follow_tokens < 1:
             raise ValueError(f"follow_tokens must be a positive int, got {follow_tokens!r}")
+        if not isinstance(keep_attended, bool):
+            raise ValueError(f"keep_attended must be a bool, got {keep_attended!r}")
         self.follow_tokens = follow_tokens
+        self.keep_attended = keep_attended
 
     def identity(self):
-        return {**super().identity(), "follow_tokens": self.follow_tokens}
+        identity = {**super().identity(), "follow_tokens": self.follow_tokens}
+        if self.keep_attended:  # only when set, so that the earlier rows' cache keys stay valid
+            identity["keep_attended"] = True
+        return identity
 
     def _remember(self, layer: int, logits: torch.Tensor, positions: torch.Tensor = None) -> None:
         """Keep the positions of the ``follow_tokens`` largest logits ``(B, Hq, 1, K)`` of the last row:
@@ -75,12 +86,15 @@ class FollowAttended(HashAttentionSelector):
             # (B, Hs, F'): a group-shared selection takes its query heads' followed keys together.
             followed = followed.reshape(followed.shape[0], scores.shape[1], -1)
             successors = followed[:, :, None, :] + 1
+            if self.keep_attended:  # the followed keys themselves too (their p + 0)
+                successors = torch.cat([successors, followed[:, :, None, :]], dim=-1)
+                followed = torch.cat([followed, followed], dim=-1)
             successors = successors.expand(-1, -1, scores.shape[2], -1)
             usable = (followed[:, :, None, :] >= 0) & (successors < keys)
             # Counted, not scattered as values: two successors may land on one position (the clamped
             # unusable ones included). Positions past a row are masked by the selection itself.
             hits = torch.zeros(scores.shape, dtype=torch.int32, device=scores.device)
-            hits.scatter_add_(-1, successors.clamp(max=keys - 1), usable.to(torch.int32))
+            hits.scatter_add_(-1, successors.clamp(min=0, max=keys - 1), usable.to(torch.int32))
             scores = scores.masked_fill(hits > 0, torch.inf)
         return ops.topk_from_scores(scores, sink_tokens=budget.sink_tokens, local_tokens=budget.local_tokens,
                                     budget_tokens=budget.heavy_tokens)
