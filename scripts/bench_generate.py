@@ -295,6 +295,11 @@ def cell_bytes(config, batch: int, slots: int, element: int, families, args) -> 
         workspace += batch * args.prefill_chunk * slots * 3                      # boolean mask (+ float bias)
     if any(m.kind == "dense-hf" for m in args.method_specs):
         workspace += 2 * batch * heads * slots * head_dim * element * 2          # repeat_kv of K and V
+    if args.inductor_options.get("freezing"):
+        # freezing concatenates the q / k / v and gate / up weights into new constants; the
+        # module keeps its own parameters, so those bytes exist twice
+        hidden, inter = config.hidden_size, config.intermediate_size
+        workspace += layers * hidden * ((heads + 2 * kv_heads) * head_dim + 2 * inter) * element
     workspace += 2 << 30                                                         # graphs, logits, allocator slack
     return {"kv": kv, "signatures": signatures, "workspace": workspace,
             "total": kv + sum(signatures.values()) + workspace}

@@ -201,6 +201,9 @@ def test_method_names_and_memory_arithmetic():
     assert need["kv"] == 4 * 131072 * 32 * 4096          # 4 KiB of K+V per token and layer
     assert need["signatures"] == {"query": 4 * 131072 * 32 * 128, "kv": 4 * 131072 * 32 * 32}
     assert need["total"] > need["kv"] + sum(need["signatures"].values())
+    frozen = bench.parse_args(["--contexts", "131072", "--batches", "4", "--inductor-option", "freezing=True"])
+    concatenated = 32 * 4096 * (6144 + 2 * 14336) * 2  # q|k|v and gate|up weights, bf16, every layer
+    assert bench.cell_bytes(config, 4, 131072, 2, ["kv", "query"], frozen)["total"] == need["total"] + concatenated
     assert config.rope_parameters["rope_type"] == "llama3" and config.max_position_embeddings >= 131072 + 200
 
 
