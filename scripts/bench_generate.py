@@ -171,7 +171,9 @@ def parse_args(argv=None):
                         help="set torch._inductor.config.KEY (dotted for nested options, e.g. combo_kernels=True or "
                              "triton.max_tiles=3) for every method; repeatable; without it: the comma-separated "
                              "BENCH_INDUCTOR_OPTIONS environment variable (for scripts/ab_generate.sh). Recorded per run "
-                             "and row; a row takes its ratio only from a dense row with the same options")
+                             "and row; a row takes its ratio only from a dense row with the same options. "
+                             "post_grad_custom_pre_pass='concat_projections' (with freezing=True) merges the q / k / v "
+                             "GEMMs of a layer into one (hashattention/inductor_passes.py)")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     parser.add_argument("--process-per-method", action="store_true",
                         help="time every method in a Python process of its own, merged into the same --out files "
@@ -542,7 +544,13 @@ def parse_inductor_options(items: List[str]) -> Dict[str, object]:
                 isinstance(current, float) and isinstance(value, int)):
             raise ValueError(f"--inductor-option {key}: expected a {type(current).__name__} like its default "
                              f"{current!r}, got {value!r}")
+        if key in GRAPH_PASS_OPTIONS and value not in GRAPH_PASSES:
+            raise ValueError(f"--inductor-option {key}: name one of this package's passes "
+                             f"({', '.join(repr(n) for n in GRAPH_PASSES)}), got {value!r}")
         options[key] = value
+    if options.get("post_grad_custom_pre_pass") == "concat_projections" and not options.get("freezing"):
+        raise ValueError("--inductor-option post_grad_custom_pre_pass='concat_projections' needs freezing=True "
+                         "(without it the weights are graph inputs, not constants, and nothing is merged)")
     return options
 
 
@@ -565,7 +573,20 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
     """Sets torch._inductor.config options for every graph compiled from now on (this process)."""
     for key, value in options.items():
         owner, name = inductor_config_owner(key)
+        if key in GRAPH_PASS_OPTIONS:
+            value = GRAPH_PASSES[value]()
         setattr(owner, name, value)
+
+
+def _concat_projections():
+    from hashattention.inductor_passes import ConcatProjections
+
+    return ConcatProjections()
+
+
+# Custom graph passes an option may name (rows record the name): hashattention.inductor_passes
+GRAPH_PASS_OPTIONS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")
+GRAPH_PASSES = {"concat_projections": _concat_projections}
 
 
 class Benchmark:

@@ -1,0 +1,124 @@
+"""An inductor graph pass for decoding with frozen weights: one GEMM for the projections of one input.
+
+At decode time a Llama layer multiplies the same few rows by the q, k and v weights (and by the gate
+and up weights): small GEMMs that each pay a launch, a split-K reduction and a bandwidth ramp. With
+``torch._inductor.config.freezing = True`` inductor concatenates such weights itself, but before
+torch 2.12 only when their shapes are equal, which leaves q | k | v apart under grouped-query
+attention (k and v are narrower than q). This pass merges every group of ``aten.mm(x, W_i)`` that
+share ``x`` and whose ``W_i`` are frozen constants with the same number of rows into one
+``aten.mm(x, cat(W_i, dim=1))`` followed by column slices, on any torch version:
+
+    import torch._inductor.config as inductor_config
+    from hashattention.inductor_passes import ConcatProjections
+
+    inductor_config.freezing = True                      # weights become constants (inference only)
+    inductor_config.post_grad_custom_pre_pass = ConcatProjections()
+    step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+The concatenated weights are new constants beside the module's own parameters (the model stays
+usable eagerly), so they cost their bytes once more: 1.6 GB for Llama-3.1-8B's q | k | v. Without
+freezing the weights are graph inputs, not constants, and the pass changes nothing. It applies to
+dense and HashAttention steps alike; the decode benchmark uses it for both
+(``scripts/bench_generate.py --inductor-option post_grad_custom_pre_pass='concat_projections'``).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict, List, Tuple
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+_MM = torch.ops.aten.mm.default
+_SLICE = torch.ops.aten.slice.Tensor
+_NAME_PREFIX = "_hashattention_concat_weight"
+
+
+class ConcatProjections(CustomGraphPass):
+    """``torch._inductor.config.post_grad_custom_pre_pass`` value running
+    :func:`concat_shared_input_projections` (cacheable: its identity is this file's hash)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        concat_shared_input_projections(graph)
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
+def _constant_weight(module: torch.nn.Module, node: torch.fx.Node):
+    """The 2-D tensor a ``get_attr`` node names, or None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    value = module
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if isinstance(value, torch.Tensor) and value.dim() == 2 else None
+
+
+def _fake(node: torch.fx.Node):
+    value = node.meta.get("val")
+    return value if isinstance(value, torch._subclasses.FakeTensor) else None
+
+
+def concat_shared_input_projections(graph: torch.fx.Graph) -> int:
+    """Rewrites ``graph`` in place and returns how many groups of GEMMs it merged.
+
+    A group is two or more ``aten.mm(x, W_i)`` nodes with the same ``x`` node and constant ``W_i``
+    (``get_attr`` nodes of the owning module, as freezing leaves them) of equal row count, dtype and
+    device. Each group becomes one GEMM over a new constant ``cat(W_i, dim=1)`` placed before the
+    group's first member, and each member's users read ``mm[:, offset_i : offset_i + N_i]`` instead.
+    """
+    module = graph.owning_module
+    if module is None:
+        return 0
+    groups: Dict[Tuple, List[Tuple[torch.fx.Node, torch.Tensor]]] = collections.defaultdict(list)
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not _MM or len(node.args) != 2 or node.kwargs:
+            continue
+        x, w = node.args
+        weight = _constant_weight(module, w)
+        if weight is None or not isinstance(x, torch.fx.Node):
+            continue
+        groups[(x, weight.shape[0], weight.dtype, weight.device)].append((node, weight))
+
+    merged = 0
+    for (x, _, _, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        first = members[0][0]  # graph order: x and every member's inputs exist before it
+        name = f"{_NAME_PREFIX}{merged}"
+        while hasattr(module, name):
+            name += "_"
+        concatenated = torch.cat([weight for _, weight in members], dim=1)
+        module.register_buffer(name, concatenated)
+        fake_x = _fake(x)
+        pieces = []
+        with graph.inserting_before(first):
+            constant = graph.get_attr(name)
+            product = graph.call_function(_MM, (x, constant))
+            if fake_x is not None:
+                with fake_x.fake_mode:
+                    constant.meta["val"] = fake_x.fake_mode.from_tensor(concatenated)
+                    product.meta["val"] = torch.mm(fake_x, constant.meta["val"])
+            start = 0
+            for _, weight in members:
+                width = weight.shape[1]
+                piece = graph.call_function(_SLICE, (product, 1, start, start + width))
+                if fake_x is not None:
+                    with fake_x.fake_mode:
+                        piece.meta["val"] = product.meta["val"][:, start : start + width]
+                pieces.append(piece)
+                start += width
+        # Only now, outside the insertion point: erasing `first` inside it would link later nodes
+        # to an erased node and corrupt the graph's node list.
+        for (node, _), piece in zip(members, pieces):
+            old_weight = node.args[1]
+            node.replace_all_uses_with(piece)
+            graph.erase_node(node)
+            if not old_weight.users:
+                graph.erase_node(old_weight)
+        merged += 1
+    return merged

@@ -1,0 +1,112 @@
+"""hashattention.inductor_passes: one GEMM for the projections that read the same input (CPU)."""
+
+import collections
+import re
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+from hashattention.config import HashAttentionConfig
+from hashattention.inductor_passes import ConcatProjections, concat_shared_input_projections
+from hashattention.patching import patch
+
+from hf_models import random_ids, tiny_adapters, tiny_model
+from test_integration import LOGIT_TOLERANCE, PROMPT, make_cache
+
+aten = torch.ops.aten
+
+
+def projection_graph(weights, inputs=("x",), placeholder_weights=()):
+    """A GraphModule computing aten.mm(input, weight) for every (input, weight name) pair in ``weights``
+    (a list); weights are buffers (get_attr) unless named in ``placeholder_weights`` (graph inputs)."""
+    root = torch.nn.Module()
+    graph = torch.fx.Graph()
+    nodes = {name: graph.placeholder(name) for name in inputs}
+    outputs = []
+    for input_name, weight_name, shape in weights:
+        if weight_name in placeholder_weights:
+            if weight_name not in nodes:
+                nodes[weight_name] = graph.placeholder(weight_name)
+            weight = nodes[weight_name]
+        else:
+            if not hasattr(root, weight_name):
+                root.register_buffer(weight_name, torch.randn(*shape, dtype=torch.float64))
+            weight = graph.get_attr(weight_name)
+        outputs.append(graph.call_function(aten.mm.default, (nodes[input_name], weight)))
+    graph.output(tuple(outputs))
+    return torch.fx.GraphModule(root, graph)
+
+
+def mm_count(module):
+    return sum(1 for n in module.graph.nodes if n.op == "call_function" and n.target is aten.mm.default)
+
+
+def test_groups_of_a_shared_input_become_one_gemm_with_the_same_results():
+    """q | k | v (unequal widths, as under grouped-query attention) merge into one GEMM; a second input's
+    pair merges on its own; every output equals the separate products."""
+    module = projection_graph([("x", "wq", (16, 12)), ("x", "wk", (16, 4)), ("x", "wv", (16, 4)),
+                               ("y", "wg", (16, 8)), ("y", "wu", (16, 8))], inputs=("x", "y"))
+    x, y = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 16, dtype=torch.float64)
+    expected = module(x, y)
+    assert concat_shared_input_projections(module.graph) == 2
+    module.graph.lint()
+    module.recompile()
+    assert mm_count(module) == 2
+    for got, want in zip(module(x, y), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not any(n.op == "get_attr" and n.target in ("wq", "wk", "wv", "wg", "wu") for n in module.graph.nodes)
+
+
+@pytest.mark.parametrize(
+    "weights, placeholders",
+    [
+        ([("x", "wq", (16, 12))], ()),                                    # alone
+        ([("x", "wq", (16, 12)), ("x", "wk", (8, 4))], ()),               # different row counts
+        ([("x", "wq", (16, 12)), ("x", "wk", (16, 4))], ("wk",)),         # one weight is a graph input
+        ([("x", "wq", (16, 12)), ("y", "wk", (16, 4))], ()),              # different inputs
+    ],
+)
+def test_gemms_that_do_not_qualify_stay_apart(weights, placeholders):
+    inputs = tuple(sorted({w[0] for w in weights}))
+    module = projection_graph(weights, inputs=inputs, placeholder_weights=placeholders)
+    assert concat_shared_input_projections(module.graph) == 0
+    assert mm_count(module) == len(weights)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_frozen_decode_step_runs_four_gemms_per_layer_and_matches_eager(patched):
+    """With freezing and the pass (inductor's own concatenation off, as it is on CPU without
+    cpp.enable_concat_linear and, for unequal shapes, before torch 2.12), a 2-layer decode step runs
+    q|k|v, o, gate|up and down per layer plus lm_head: 9 GEMMs instead of 15, and the same logits as
+    eager, for the plain model and the HashAttention-patched one alike."""
+    model = tiny_model("llama", layers=2)
+    adapters = tiny_adapters(model)
+    ids = random_ids(2, PROMPT, seed=6)
+    step_kwargs = dict(use_cache=True, cache_position=torch.tensor([PROMPT]))
+    context = patch(model, adapters, HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)) \
+        if patched else torch.no_grad()
+    gemms = {}
+    with context, torch.no_grad():
+        eager_cache = make_cache("static", model, PROMPT + 2)
+        model(ids, past_key_values=eager_cache, use_cache=True)
+        eager = model(ids[:, -1:], past_key_values=eager_cache, **step_kwargs).logits
+        for with_pass in (False, True):
+            cache = make_cache("static", model, PROMPT + 2)
+            model(ids, past_key_values=cache, use_cache=True)
+            torch._dynamo.reset()
+            options = {"freezing": True, "post_grad_custom_pre_pass": ConcatProjections() if with_pass else None,
+                       "cpp.enable_concat_linear": False, "cpp.weight_prepack": False}
+            with inductor_config.patch(options):
+                out, code = run_and_get_code(torch.compile(model.forward, fullgraph=True), ids[:, -1:],
+                                             past_key_values=cache, **step_kwargs)
+            torch._dynamo.reset()
+            torch.testing.assert_close(out.logits, eager, **LOGIT_TOLERANCE)
+            calls = collections.Counter(re.findall(r"extern_kernels\.(mm|addmm)\(", "\n".join(code)))
+            gemms[with_pass] = sum(calls.values())
+    assert gemms == {False: 15, True: 9}, gemms
+
+
+def test_the_pass_identifies_itself_for_the_compile_cache():
+    assert ConcatProjections().uuid() == ConcatProjections().uuid() is not None
