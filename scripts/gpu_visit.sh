@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|frozen|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -88,6 +88,16 @@ if [[ " $STEPS " == *" states "* ]]; then  # not part of "all"
       --methods ${STATES_METHOD:-hash-query_head-32} --no-attention-share --fresh --profile-steps 12 \
       --out "$OUT/states/$state" --trace-dir "$OUT/states/$state" > "$OUT/states_$state.log" 2>&1
     echo "$state rc=$?"; grep -E "first call|ms/step|CUDA-graph replays" "$OUT/states_$state.log"
+  done
+fi
+if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
+  # Frozen weights with q | k | v merged (hashattention/inductor_passes.py) against inductor's defaults, for
+  # both methods, every run its own process (benchmarks/results/bench_generate_20261206_s39_freezing_h100.md).
+  el "frozen weights + concat_projections A/B (HashAttention per head, then dense)"
+  for method in hash-query_head-32 dense; do
+    OUT="$OUT/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=freezing=False \
+      B="freezing=True,post_grad_custom_pre_pass='concat_projections'" ROUNDS=1 SKIP_DENSE=1 METHOD=$method \
+      PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
   done
 fi
 el done

@@ -289,43 +289,6 @@ def test_dense_below_and_sparsity_budget_select_everything_when_short():
             assert (model(ids).logits - dense).abs().max() > 1e-3
 
 
-def test_frozen_decode_step_concatenates_projections_and_matches_eager():
-    """Inductor freezing (weights as constants) lets inductor merge the q / k / v projections into one
-    GEMM and gate / up into another, which the decode benchmark uses for both dense and HashAttention
-    (scripts/bench_generate.py --inductor-option freezing=True). The patched step must stay one graph
-    whose adapters and ops survive the constant folding: 5 GEMMs per 1-layer step instead of 8
-    (q, k, v, o, gate, up, down, lm_head), and the same logits as eager."""
-    import collections
-
-    import torch._inductor.config as inductor_config
-    from torch._inductor.utils import run_and_get_code
-
-    model = tiny_model("llama", layers=1)
-    adapters = tiny_adapters(model)
-    ids = random_ids(1, PROMPT, seed=6)
-    config = HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)
-    step_kwargs = dict(use_cache=True, cache_position=torch.tensor([PROMPT]))
-    gemms = {}
-    with patch(model, adapters, config), torch.no_grad():
-        eager_cache = make_cache("static", model, PROMPT + 2)
-        model(ids, past_key_values=eager_cache, use_cache=True)
-        eager = model(ids[:, -1:], past_key_values=eager_cache, **step_kwargs).logits
-        for freezing in (False, True):
-            cache = make_cache("static", model, PROMPT + 2)
-            model(ids, past_key_values=cache, use_cache=True)
-            torch._dynamo.reset()
-            # weight_prepack off: on CPU the GEMMs then stay aten mm calls that the generated code names
-            with inductor_config.patch(freezing=freezing, **{"cpp.enable_concat_linear": True,
-                                                             "cpp.weight_prepack": False}):
-                out, code = run_and_get_code(torch.compile(model.forward, fullgraph=True), ids[:, -1:],
-                                             past_key_values=cache, **step_kwargs)
-            torch._dynamo.reset()
-            torch.testing.assert_close(out.logits, eager, **LOGIT_TOLERANCE)
-            calls = collections.Counter(re.findall(r"extern_kernels\.(mm|addmm)\(", "\n".join(code)))
-            gemms[freezing] = sum(calls.values())
-    assert gemms == {False: 8, True: 5}, gemms
-
-
 def test_static_decode_step_compiles_without_graph_breaks():
     """The CPU half of the GPU check: a StaticCache decode step traces as one graph and matches eager."""
     model = tiny_model("llama")
