@@ -414,7 +414,7 @@ def test_inductor_option_flags_replace_the_environments_list(monkeypatch):
     assert bench.parse_args([*TINY, "--inductor-option", "triton.max_tiles=3"]).inductor_options == {"triton.max_tiles": 3}
 
 
-def test_a_named_graph_pass_is_recorded_by_name_and_installed_as_the_pass(monkeypatch):
+def test_a_named_graph_pass_is_recorded_by_name_and_installed_as_the_pass():
     """post_grad_custom_pre_pass='concat_projections' (with freezing) is kept by name in the options that rows
     record and compare, and applying the options installs a ConcatProjections instance."""
     import torch._inductor.config as inductor_config
@@ -424,8 +424,10 @@ def test_a_named_graph_pass_is_recorded_by_name_and_installed_as_the_pass(monkey
     args = bench.parse_args([*TINY, "--inductor-option", "freezing=True", "--inductor-option",
                              "post_grad_custom_pre_pass='concat_projections'"])
     assert args.inductor_options == {"freezing": True, "post_grad_custom_pre_pass": "concat_projections"}
-    monkeypatch.setattr(inductor_config, "freezing", False)
-    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", None)
-    bench.apply_inductor_options(args.inductor_options)
-    assert inductor_config.freezing is True
-    assert isinstance(inductor_config.post_grad_custom_pre_pass, ConcatProjections)
+    # inductor_config.patch, not monkeypatch: undoing a monkeypatch deletes the option from the config
+    # module (it was never in the module's __dict__), which hides it from every later compile
+    with inductor_config.patch(freezing=False, post_grad_custom_pre_pass=None):
+        bench.apply_inductor_options(args.inductor_options)
+        assert inductor_config.freezing is True
+        assert isinstance(inductor_config.post_grad_custom_pre_pass, ConcatProjections)
+    assert inductor_config.freezing is False and inductor_config.post_grad_custom_pre_pass is None
