@@ -544,11 +544,11 @@ def parse_inductor_options(items: List[str]) -> Dict[str, object]:
                 isinstance(current, float) and isinstance(value, int)):
             raise ValueError(f"--inductor-option {key}: expected a {type(current).__name__} like its default "
                              f"{current!r}, got {value!r}")
-        if key in GRAPH_PASS_OPTIONS and value not in GRAPH_PASSES:
-            raise ValueError(f"--inductor-option {key}: name one of this package's passes "
-                             f"({', '.join(repr(n) for n in GRAPH_PASSES)}), got {value!r}")
+        if key == GRAPH_PASS_OPTION and value != "concat_projections":
+            raise ValueError(f"--inductor-option {key}: name one of this package's passes ('concat_projections'), "
+                             f"got {value!r}")
         options[key] = value
-    if options.get("post_grad_custom_pre_pass") == "concat_projections" and not options.get("freezing"):
+    if GRAPH_PASS_OPTION in options and not options.get("freezing"):
         raise ValueError("--inductor-option post_grad_custom_pre_pass='concat_projections' needs freezing=True "
                          "(without it the weights are graph inputs, not constants, and nothing is merged)")
     return options
@@ -573,20 +573,15 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
     """Sets torch._inductor.config options for every graph compiled from now on (this process)."""
     for key, value in options.items():
         owner, name = inductor_config_owner(key)
-        if key in GRAPH_PASS_OPTIONS:
-            value = GRAPH_PASSES[value]()
+        if key == GRAPH_PASS_OPTION:  # rows record the pass by name; inductor needs the pass object
+            from hashattention.inductor_passes import ConcatProjections
+
+            value = ConcatProjections()
         setattr(owner, name, value)
 
 
-def _concat_projections():
-    from hashattention.inductor_passes import ConcatProjections
-
-    return ConcatProjections()
-
-
-# Custom graph passes an option may name (rows record the name): hashattention.inductor_passes
-GRAPH_PASS_OPTIONS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")
-GRAPH_PASSES = {"concat_projections": _concat_projections}
+# The inductor option that may name this package's graph pass (hashattention/inductor_passes.py)
+GRAPH_PASS_OPTION = "post_grad_custom_pre_pass"
 
 
 class Benchmark:
