@@ -94,10 +94,14 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   # Frozen weights with q | k | v merged (hashattention/inductor_passes.py) against inductor's defaults, for
   # both methods, every run its own process (benchmarks/results/bench_generate_20261206_s39_freezing_h100.md).
   el "frozen weights + concat_projections A/B (HashAttention per head, then dense)"
+  # The runs write into /tmp and only the summaries and rows are copied: the device returns at most 8 files.
   for method in hash-query_head-32 dense; do
-    OUT="$OUT/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=freezing=False \
+    OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=freezing=False \
       B="freezing=True,post_grad_custom_pre_pass='concat_projections'" ROUNDS=1 SKIP_DENSE=1 METHOD=$method \
       PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
+    cat "/tmp/frozen_$method/summary.md" "/tmp/frozen_$method"/{a1,b1}.log > "$OUT/frozen_$method.txt" 2>/dev/null
+    python3 -c "import glob, json, sys; print(json.dumps({run: [json.load(open(f)) for f in glob.glob(f'{sys.argv[1]}/{run}/*.json')]
+      for run in ('a1', 'b1')}))" "/tmp/frozen_$method" > "$OUT/frozen_$method.json"
   done
 fi
 el done
