@@ -10,7 +10,8 @@
 # Other settings: ROUNDS (2), BATCH (4 on a GPU with more than 100 GB, else 2: B = 4 at 128K needs
 # 16 GB of weights + 68.7 GB of KV), CONTEXT (131072), METHOD (hash-query_head-32), RUN_SECONDS (150
 # per run), PROFILE_STEPS (0: the profiler's extra steps, kernels by category and launches, off),
-# SKIP_DENSE=1 (no dense run: e.g. METHOD=dense to time dense itself under A and B). The inductor cache is
+# SKIP_DENSE=1 (no dense run: e.g. METHOD=dense to time dense itself under A and B), SKIP_B=1 (value A
+# only: one setting's runs, e.g. when device time is short). The inductor cache is
 # shared by the runs, so only the first compiles cold. Inductor options are compared through
 # VARIABLE=BENCH_INDUCTOR_OPTIONS (read by bench_generate.py), e.g. A=combo_kernels=False B=combo_kernels=True.
 set -u
@@ -35,6 +36,6 @@ run() {  # run TAG METHOD [VALUE]
 [ "${SKIP_DENSE:-0}" = 1 ] || run dense dense
 for round in $(seq 1 "$ROUNDS"); do
   run "a$round" "$METHOD" "$A"
-  run "b$round" "$METHOD" "$B"
+  [ "${SKIP_B:-0}" = 1 ] || run "b$round" "$METHOD" "$B"
 done
 python3 scripts/ab_generate_summary.py "$OUT" --variable "$VARIABLE" --a-value "$A" --b-value "$B" | tee "$OUT/summary.md"

@@ -95,9 +95,11 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   # both methods, every run its own process (benchmarks/results/bench_generate_20261206_s39_freezing_h100.md).
   el "frozen weights + concat_projections A/B (HashAttention per head, then dense)"
   # The runs write into /tmp and only the summaries and rows are copied: the device returns at most 8 files.
+  # FROZEN_AB=0 runs the frozen setting alone (a1 = the frozen run): the ratio in half the device time.
+  frozen="freezing=True,post_grad_custom_pre_pass='concat_projections'"
   for method in hash-query_head-32 dense; do
-    OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=freezing=False \
-      B="freezing=True,post_grad_custom_pre_pass='concat_projections'" ROUNDS=1 SKIP_DENSE=1 METHOD=$method \
+    OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=$([ "${FROZEN_AB:-1}" = 0 ] && echo "$frozen" || echo freezing=False) \
+      B="$frozen" ROUNDS=1 SKIP_DENSE=1 SKIP_B=$([ "${FROZEN_AB:-1}" = 0 ] && echo 1 || echo 0) METHOD=$method \
       PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
     cat "/tmp/frozen_$method/summary.md" "/tmp/frozen_$method"/{a1,b1}.log > "$OUT/frozen_$method.txt" 2>/dev/null
     python3 -c "import glob, json, sys; print(json.dumps({run: [json.load(open(f)) for f in glob.glob(f'{sys.argv[1]}/{run}/*.json')]
