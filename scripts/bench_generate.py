@@ -173,7 +173,8 @@ def parse_args(argv=None):
                              "BENCH_INDUCTOR_OPTIONS environment variable (for scripts/ab_generate.sh). Recorded per run "
                              "and row; a row takes its ratio only from a dense row with the same options. "
                              "post_grad_custom_pre_pass='concat_projections' (with freezing=True) merges the q / k / v "
-                             "GEMMs of a layer into one (hashattention/inductor_passes.py)")
+                             "GEMMs of a layer into one (hashattention/inductor_passes.py); "
+                             "'concat_projections_keep_layout' keeps the weights' column-major layout")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     parser.add_argument("--process-per-method", action="store_true",
                         help="time every method in a Python process of its own, merged into the same --out files "
@@ -544,12 +545,12 @@ def parse_inductor_options(items: List[str]) -> Dict[str, object]:
                 isinstance(current, float) and isinstance(value, int)):
             raise ValueError(f"--inductor-option {key}: expected a {type(current).__name__} like its default "
                              f"{current!r}, got {value!r}")
-        if key == GRAPH_PASS_OPTION and value != "concat_projections":
-            raise ValueError(f"--inductor-option {key}: name one of this package's passes ('concat_projections'), "
-                             f"got {value!r}")
+        if key == GRAPH_PASS_OPTION and value not in GRAPH_PASSES:
+            names = ", ".join(repr(name) for name in GRAPH_PASSES)
+            raise ValueError(f"--inductor-option {key}: name one of this package's passes ({names}), got {value!r}")
         options[key] = value
     if GRAPH_PASS_OPTION in options and not options.get("freezing"):
-        raise ValueError("--inductor-option post_grad_custom_pre_pass='concat_projections' needs freezing=True "
+        raise ValueError(f"--inductor-option post_grad_custom_pre_pass={options[GRAPH_PASS_OPTION]!r} needs freezing=True "
                          "(without it the weights are graph inputs, not constants, and nothing is merged)")
     return options
 
@@ -576,12 +577,14 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
         if key == GRAPH_PASS_OPTION:  # rows record the pass by name; inductor needs the pass object
             from hashattention.inductor_passes import ConcatProjections
 
-            value = ConcatProjections()
+            value = ConcatProjections(layout=GRAPH_PASSES[value])
         setattr(owner, name, value)
 
 
-# The inductor option that may name this package's graph pass (hashattention/inductor_passes.py)
+# The inductor option that may name this package's graph pass (hashattention/inductor_passes.py), and
+# its names: the pass with each layout of the concatenated weights
 GRAPH_PASS_OPTION = "post_grad_custom_pre_pass"
+GRAPH_PASSES = {"concat_projections": "row_major", "concat_projections_keep_layout": "keep"}
 
 
 class Benchmark:

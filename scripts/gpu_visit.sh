@@ -96,7 +96,8 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   el "frozen weights + concat_projections A/B (HashAttention per head, then dense)"
   # The runs write into /tmp and only the summaries and rows are copied: the device returns at most 8 files.
   # FROZEN_AB=0 runs the frozen setting alone (a1 = the frozen run): the ratio in half the device time.
-  frozen="freezing=True,post_grad_custom_pre_pass='concat_projections'"
+  # FROZEN_PASS=concat_projections_keep_layout: the merged weights column-major (hashattention/inductor_passes.py).
+  frozen="freezing=True,post_grad_custom_pre_pass='${FROZEN_PASS:-concat_projections}'"
   for method in hash-query_head-32 dense; do
     OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=$([ "${FROZEN_AB:-1}" = 0 ] && echo "$frozen" || echo freezing=False) \
       B="$frozen" ROUNDS=1 SKIP_DENSE=1 SKIP_B=$([ "${FROZEN_AB:-1}" = 0 ] && echo 1 || echo 0) METHOD=$method \

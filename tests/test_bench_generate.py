@@ -399,7 +399,9 @@ def test_inductor_options_are_set_recorded_and_compared_only_with_the_same_optio
     ("combo_kernels=yes", "must be a Python literal"),
     ("combo_kernels=3", "expected a bool"),
     ("triton.enable_pdl=False", "use --inductor-pdl"),
-    ("post_grad_custom_pre_pass='no_such_pass'", "name one of this package's passes ('concat_projections')"),
+    ("post_grad_custom_pre_pass='no_such_pass'",
+     "name one of this package's passes ('concat_projections', 'concat_projections_keep_layout')"),
+    ("post_grad_custom_pre_pass='concat_projections_keep_layout'", "needs freezing=True"),
     ("post_grad_custom_pre_pass='concat_projections'", "needs freezing=True"),
 ])
 def test_bad_inductor_options_are_refused_with_the_reason(option, message, capsys):
@@ -414,20 +416,24 @@ def test_inductor_option_flags_replace_the_environments_list(monkeypatch):
     assert bench.parse_args([*TINY, "--inductor-option", "triton.max_tiles=3"]).inductor_options == {"triton.max_tiles": 3}
 
 
-def test_a_named_graph_pass_is_recorded_by_name_and_installed_as_the_pass():
-    """post_grad_custom_pre_pass='concat_projections' (with freezing) is kept by name in the options that rows
-    record and compare, and applying the options installs a ConcatProjections instance."""
+@pytest.mark.parametrize("name, layout", [("concat_projections", "row_major"),
+                                          ("concat_projections_keep_layout", "keep")])
+def test_a_named_graph_pass_is_recorded_by_name_and_installed_as_the_pass(name, layout):
+    """post_grad_custom_pre_pass='concat_projections[_keep_layout]' (with freezing) is kept by name in the
+    options that rows record and compare, and applying the options installs a ConcatProjections instance
+    with the named layout."""
     import torch._inductor.config as inductor_config
 
     from hashattention.inductor_passes import ConcatProjections
 
     args = bench.parse_args([*TINY, "--inductor-option", "freezing=True", "--inductor-option",
-                             "post_grad_custom_pre_pass='concat_projections'"])
-    assert args.inductor_options == {"freezing": True, "post_grad_custom_pre_pass": "concat_projections"}
+                             f"post_grad_custom_pre_pass={name!r}"])
+    assert args.inductor_options == {"freezing": True, "post_grad_custom_pre_pass": name}
     # inductor_config.patch, not monkeypatch: undoing a monkeypatch deletes the option from the config
     # module (it was never in the module's __dict__), which hides it from every later compile
     with inductor_config.patch(freezing=False, post_grad_custom_pre_pass=None):
         bench.apply_inductor_options(args.inductor_options)
         assert inductor_config.freezing is True
         assert isinstance(inductor_config.post_grad_custom_pre_pass, ConcatProjections)
+        assert inductor_config.post_grad_custom_pre_pass.layout == layout
     assert inductor_config.freezing is False and inductor_config.post_grad_custom_pre_pass is None

@@ -19,9 +19,10 @@ from test_integration import LOGIT_TOLERANCE, PROMPT, make_cache
 aten = torch.ops.aten
 
 
-def projection_graph(weights, inputs=("x",), placeholder_weights=()):
+def projection_graph(weights, inputs=("x",), placeholder_weights=(), column_major=False):
     """A GraphModule computing aten.mm(input, weight) for every (input, weight name) pair in ``weights``
-    (a list); weights are buffers (get_attr) unless named in ``placeholder_weights`` (graph inputs)."""
+    (a list); weights are buffers (get_attr) unless named in ``placeholder_weights`` (graph inputs), and
+    transposed contiguous tensors (as frozen nn.Linear weights are) with ``column_major``."""
     root = torch.nn.Module()
     graph = torch.fx.Graph()
     nodes = {name: graph.placeholder(name) for name in inputs}
@@ -33,7 +34,9 @@ def projection_graph(weights, inputs=("x",), placeholder_weights=()):
             weight = nodes[weight_name]
         else:
             if not hasattr(root, weight_name):
-                root.register_buffer(weight_name, torch.randn(*shape, dtype=torch.float64))
+                value = torch.randn(*shape[::-1], dtype=torch.float64).t() if column_major else \
+                    torch.randn(*shape, dtype=torch.float64)
+                root.register_buffer(weight_name, value)
             weight = graph.get_attr(weight_name)
         outputs.append(graph.call_function(aten.mm.default, (nodes[input_name], weight)))
     graph.output(tuple(outputs))
@@ -44,20 +47,38 @@ def mm_count(module):
     return sum(1 for n in module.graph.nodes if n.op == "call_function" and n.target is aten.mm.default)
 
 
-def test_groups_of_a_shared_input_become_one_gemm_with_the_same_results():
+@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("layout", ["row_major", "keep"])
+def test_groups_of_a_shared_input_become_one_gemm_with_the_same_results(layout, column_major):
     """q | k | v (unequal widths, as under grouped-query attention) merge into one GEMM; a second input's
-    pair merges on its own; every output equals the separate products."""
+    pair merges on its own; every output equals the separate products. The new constants are column-major
+    only with layout="keep" and column-major members."""
     module = projection_graph([("x", "wq", (16, 12)), ("x", "wk", (16, 4)), ("x", "wv", (16, 4)),
-                               ("y", "wg", (16, 8)), ("y", "wu", (16, 8))], inputs=("x", "y"))
+                               ("y", "wg", (16, 8)), ("y", "wu", (16, 8))], inputs=("x", "y"),
+                              column_major=column_major)
     x, y = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 16, dtype=torch.float64)
     expected = module(x, y)
-    assert concat_shared_input_projections(module.graph) == 2
+    assert concat_shared_input_projections(module.graph, layout) == 2
     module.graph.lint()
     module.recompile()
     assert mm_count(module) == 2
+    keeps_columns = layout == "keep" and column_major
+    # bit-equal when the merged weight has the members' layout; a changed layout may change the BLAS
+    # summation order, so then only float64 rounding apart
+    exact = keeps_columns or not column_major
     for got, want in zip(module(x, y), expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, **(dict(rtol=0, atol=0) if exact else {}))
     assert not any(n.op == "get_attr" and n.target in ("wq", "wk", "wv", "wg", "wu") for n in module.graph.nodes)
+    constants = [getattr(module, n.target) for n in module.graph.nodes if n.op == "get_attr"]
+    assert [tuple(c.shape) for c in constants] == [(16, 20), (16, 16)]
+    assert all(c.t().is_contiguous() if keeps_columns else c.is_contiguous() for c in constants)
+
+
+def test_an_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ConcatProjections(layout="transposed")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        concat_shared_input_projections(projection_graph([("x", "wq", (4, 4))]).graph, "column")
 
 
 @pytest.mark.parametrize(
@@ -104,10 +125,11 @@ def test_frozen_decode_step_runs_four_gemms_per_layer_and_matches_eager(patched)
     """With freezing and the pass (inductor's own concatenation off, as it is on the CPU without
     cpp.enable_concat_linear and, for unequal widths, before torch 2.12), a 2-layer decode step runs
     q|k|v, o, gate|up and down per layer plus lm_head: 9 GEMMs instead of 15, and the same logits as
-    eager, for the plain model and the HashAttention-patched one alike."""
+    eager, for the plain model and the HashAttention-patched one alike, with either weight layout."""
     frozen = {"freezing": True, "cpp.enable_concat_linear": False}
     assert frozen_step_gemms(patched, 2, frozen) == 15
-    assert frozen_step_gemms(patched, 2, {**frozen, "post_grad_custom_pre_pass": ConcatProjections()}) == 9
+    for layout in ("row_major", "keep"):
+        assert frozen_step_gemms(patched, 2, {**frozen, "post_grad_custom_pre_pass": ConcatProjections(layout)}) == 9
 
 
 def test_inductor_freezing_alone_merges_what_this_torch_version_allows():
@@ -120,5 +142,6 @@ def test_inductor_freezing_alone_merges_what_this_torch_version_allows():
     assert frozen_step_gemms(True, 1, {**native, "freezing": True}) == (5 if merges_unequal_widths else 6)
 
 
-def test_the_pass_identifies_itself_for_the_compile_cache():
-    assert ConcatProjections().uuid() == ConcatProjections().uuid() is not None
+def test_the_pass_identifies_itself_and_its_layout_for_the_compile_cache():
+    assert ConcatProjections().uuid() == ConcatProjections("row_major").uuid() is not None
+    assert ConcatProjections("keep").uuid() != ConcatProjections().uuid()
