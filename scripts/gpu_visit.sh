@@ -98,10 +98,11 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   # FROZEN_AB=0 runs the frozen setting alone (a1 = the frozen run): the ratio in half the device time.
   # FROZEN_PASS=concat_projections_keep_layout: the merged weights column-major (hashattention/inductor_passes.py).
   frozen="freezing=True,post_grad_custom_pre_pass='${FROZEN_PASS:-concat_projections}'"
+  a_value=freezing=False skip_b=0
+  [ "${FROZEN_AB:-1}" = 0 ] && a_value=$frozen skip_b=1
   for method in hash-query_head-32 dense; do
-    OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A=$([ "${FROZEN_AB:-1}" = 0 ] && echo "$frozen" || echo freezing=False) \
-      B="$frozen" ROUNDS=1 SKIP_DENSE=1 SKIP_B=$([ "${FROZEN_AB:-1}" = 0 ] && echo 1 || echo 0) METHOD=$method \
-      PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
+    OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A="$a_value" B="$frozen" ROUNDS=1 SKIP_DENSE=1 \
+      SKIP_B=$skip_b METHOD=$method PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
     cat "/tmp/frozen_$method/summary.md" "/tmp/frozen_$method"/{a1,b1}.log > "$OUT/frozen_$method.txt" 2>/dev/null
     python3 -c "import glob, json, sys; print(json.dumps({run: [json.load(open(f)) for f in glob.glob(f'{sys.argv[1]}/{run}/*.json')]
       for run in ('a1', 'b1')}))" "/tmp/frozen_$method" > "$OUT/frozen_$method.json"
