@@ -23,6 +23,12 @@ KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cudaMemcpyAsync")
+HOST_CALLS_KEPT = 8  # the CUDA runtime / driver calls with the most host time per step
+
+
+def is_cuda_api_call(name: str) -> bool:
+    """A CUDA runtime (``cudaGraphLaunch``) or driver (``cuLaunchKernelEx``) call as the profiler names it."""
+    return any(name.startswith(prefix) and name[len(prefix):len(prefix) + 1].isupper() for prefix in ("cuda", "cu"))
 
 
 def kernel_category(name: str) -> str:
@@ -33,7 +39,8 @@ def kernel_category(name: str) -> str:
 
 def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mask, device, mark: bool,
                    trace_path: Optional[str] = None) -> dict:
-    """Kernel time per decode step by category (and the top kernels), and host-sync runtime calls per step.
+    """Kernel time per decode step by category (and the top kernels), host-sync runtime calls per step, and
+    the host time of the CUDA API calls with the most of it.
 
     CUDA: GPU kernels. ``attention`` = attention kernels (FlashAttention / cuDNN / SDPA /
     ``sparse_attention_kernel``), ``selection`` = HashAttention's top-k kernels, ``encode`` = its
@@ -59,10 +66,12 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
     if cuda:
         torch.cuda.synchronize()
     categories: Dict[str, float] = {}
-    kernels, syncs = [], {}
+    kernels, syncs, host_calls = [], {}, {}
     for event in prof.key_averages():
         if event.key in SYNC_CALLS and event.count > profiler_syncs.get(event.key, 0):
             syncs[event.key] = (event.count - profiler_syncs.get(event.key, 0)) / steps
+        if getattr(event, "device_type", None) == DeviceType.CPU and is_cuda_api_call(event.key):
+            host_calls[event.key] = {"host_us_per_step": event.cpu_time_total / steps, "calls_per_step": event.count / steps}
         if cuda:
             if getattr(event, "device_type", None) != DeviceType.CUDA:
                 continue
@@ -82,7 +91,11 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
         "kernel_us_per_step": total, "category_us_per_step": categories,
         "attention_and_selection_share_of_kernel_time":
             (categories.get("attention", 0.0) + categories.get("selection", 0.0)) / total if total else None,
-        "host_sync_calls_per_step": syncs, "launches_per_step": sum(k["launches_per_step"] for k in kernels),
+        "host_sync_calls_per_step": syncs,
+        # Where the host's issue time goes: a call that blocks (a graph launch waiting for the GPU, say)
+        # shows here with about a step's time even when no synchronizing call was made.
+        "host_calls_us_per_step": dict(sorted(host_calls.items(), key=lambda kv: -kv[1]["host_us_per_step"])[:HOST_CALLS_KEPT]),
+        "launches_per_step": sum(k["launches_per_step"] for k in kernels),
         "top_kernels": kernels[:40],
         **({"timeline": trace_timeline(prof, trace_path, steps)} if trace_path else {}),
     }

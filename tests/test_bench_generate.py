@@ -71,6 +71,7 @@ def test_cli_end_to_end_tiny_model(tmp_path):
         assert profile["kernel_us_per_step"] > 0 and profile["category_us_per_step"]["selection"] > 0
         assert dense["profile"]["category_us_per_step"]["attention"] > 0
         assert profile["host_sync_calls_per_step"] == {}  # the CPU has no CUDA runtime calls to count
+        assert profile["host_calls_us_per_step"] == {}
         for method in methods:  # each method's profiled steps as a Chrome trace, summarized (no GPU events here)
             assert os.path.getsize(tmp_path / "traces" / f"trace_B{batch}_n96_{method}.json.gz") > 0
             assert rows[(batch, 96, method)]["profile"]["timeline"]["gpu_events"] == 0
@@ -327,6 +328,26 @@ def test_cudnn_use_is_tracked_and_reported(tmp_path):
     assert "cuDNN used before it in its process" not in generate_report.markdown(record)
     record["rows"][0]["cudnn_before_in_process"] = True
     assert "cuDNN used before it in its process" in generate_report.markdown(record)
+
+
+def test_host_time_in_cuda_api_calls_is_named_and_reported(tmp_path):
+    """The profile keeps the CUDA runtime / driver calls' host time; the report lists them per row."""
+    import generate_report
+
+    for name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernelEx", "cudaStreamSynchronize"):
+        assert profile.is_cuda_api_call(name), name
+    for name in ("aten::mm", "cudnn_generated_fort_native_sdpa", "cuda_graph_replay", "custom_op", "Memcpy DtoD"):
+        assert not profile.is_cuda_api_call(name), name
+    bench.main([*TINY, "--contexts", "48", "--batches", "1", "--steps", "2", "--profile-steps", "1", "--paced-steps",
+                "0", "--methods", "hash-query_head-32", "--out", str(tmp_path)])
+    record, _ = load_record(tmp_path)
+    row = record["rows"][0]
+    assert row["profile"]["host_calls_us_per_step"] == {}  # no CUDA calls on the CPU
+    assert "Host time per step in CUDA API calls" not in generate_report.markdown(record)
+    row["profile"]["host_calls_us_per_step"] = {"cudaGraphLaunch": {"host_us_per_step": 8374.6, "calls_per_step": 1.0}}
+    text = generate_report.markdown(record)
+    assert "Host time per step in CUDA API calls" in text
+    assert "- B = 1, 48, hash-query_head-32: cudaGraphLaunch 8375 (1)" in text
 
 
 def test_inductor_pdl_is_set_recorded_and_compared_only_with_its_own_setting(tmp_path):
