@@ -97,9 +97,12 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   # The runs write into /tmp and only the summaries and rows are copied: the device returns at most 8 files.
   # FROZEN_AB=0 runs the frozen setting alone (a1 = the frozen run): the ratio in half the device time.
   # FROZEN_PASS=concat_projections_keep_layout: the merged weights column-major (hashattention/inductor_passes.py).
+  # FROZEN_AB=layout: the two layouts of the merged weights against each other (A row-major, B kept).
   frozen="freezing=True,post_grad_custom_pre_pass='${FROZEN_PASS:-concat_projections}'"
   a_value=freezing=False skip_b=0
   [ "${FROZEN_AB:-1}" = 0 ] && a_value=$frozen skip_b=1
+  [ "${FROZEN_AB:-1}" = layout ] && a_value="freezing=True,post_grad_custom_pre_pass='concat_projections'" \
+    frozen="freezing=True,post_grad_custom_pre_pass='concat_projections_keep_layout'"
   for method in hash-query_head-32 dense; do
     OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A="$a_value" B="$frozen" ROUNDS=1 SKIP_DENSE=1 \
       SKIP_B=$skip_b METHOD=$method PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
