@@ -22,13 +22,14 @@ dense and HashAttention steps alike; the decode benchmark uses it for both
 (``scripts/bench_generate.py --inductor-option post_grad_custom_pre_pass='concat_projections'``).
 
 Weight layout. Frozen ``nn.Linear`` weights reach the GEMM as transposed views (column-major
-``(in, out)``), which cuBLAS runs as "TN" kernels. ``layout="row_major"`` (the default) stores the
-concatenation row-major, so the merged GEMM becomes an "NN" kernel: on an H100 at B = 2 the merged
-q | k | v took 19.6 µs per layer against ~22 µs for the three TN GEMMs
-(benchmarks/results/bench_generate_20261206_s40_concat_h100.md). ``layout="keep"`` concatenates
-column-major members column-major, so the merged GEMM stays a TN kernel like the ones it replaces
-(the layout q alone ran at ~3.0 TB/s in that profile, the merged NN GEMM at ~2.6); it is not yet
-measured on a GPU.
+``(in, out)``), which cuBLAS runs as "TN" kernels. ``layout="keep"`` (the default) concatenates
+column-major members column-major, so the merged GEMM stays a TN kernel like the ones it replaces;
+``layout="row_major"`` stores the concatenation row-major, an "NN" kernel. On an H100 at B = 2 / 128K
+(benchmarks/results/bench_generate_20261206_s41_layout_h100.md) cuBLAS ran the kept layout without
+split-K (19.9 µs per layer, one reduction launch fewer) and the row-major one with it (19.3 µs plus
+the reduction): HashAttention's decode step 8.475 against 8.510 ms, dense's level (17.382 / 17.376).
+Either merge beats the three separate GEMMs (~22 µs per layer,
+benchmarks/results/bench_generate_20261206_s40_concat_h100.md).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ConcatProjections(CustomGraphPass):
     :func:`concat_shared_input_projections` with ``layout`` (cacheable: its identity is this file's hash
     and the layout)."""
 
-    def __init__(self, layout: str = "row_major"):
+    def __init__(self, layout: str = "keep"):
         _check_layout(layout)
         self.layout = layout
 
@@ -93,14 +94,14 @@ def _fake(node: torch.fx.Node):
     return value if isinstance(value, torch._subclasses.FakeTensor) else None
 
 
-def concat_shared_input_projections(graph: torch.fx.Graph, layout: str = "row_major") -> int:
+def concat_shared_input_projections(graph: torch.fx.Graph, layout: str = "keep") -> int:
     """Rewrites ``graph`` in place and returns how many groups of GEMMs it merged.
 
     A group is two or more ``aten.mm(x, W_i)`` nodes with the same ``x`` node and constant ``W_i``
     (``get_attr`` nodes of the owning module, as freezing leaves them) of equal row count, dtype and
     device. Each group becomes one GEMM over a new constant ``cat(W_i, dim=1)`` placed before the
     group's first member, and each member's users read ``mm[:, offset_i : offset_i + N_i]`` instead.
-    ``layout`` ("row_major" or "keep") is the new constant's memory layout (the module docstring says why).
+    ``layout`` ("keep", the default, or "row_major") is the new constant's memory layout (the module docstring says why).
     """
     _check_layout(layout)
     module = graph.owning_module

@@ -143,5 +143,5 @@ def test_inductor_freezing_alone_merges_what_this_torch_version_allows():
 
 
 def test_the_pass_identifies_itself_and_its_layout_for_the_compile_cache():
-    assert ConcatProjections().uuid() == ConcatProjections("row_major").uuid() is not None
-    assert ConcatProjections("keep").uuid() != ConcatProjections().uuid()
+    assert ConcatProjections().uuid() == ConcatProjections("keep").uuid() is not None  # the default layout
+    assert ConcatProjections("row_major").uuid() != ConcatProjections().uuid()
