@@ -159,8 +159,9 @@ def markdown(record: dict) -> str:
                          + f" | {syncs} | {fmt(replays.get('kernels'), 'g')} | {fmt(replays.get('idle_inside_us'), '.0f')} |")
         host = [(r, r["profile"].get("host_calls_us_per_step")) for r in profiled]
         if any(calls for _, calls in host):
-            lines += ["", "Host time per step in CUDA API calls (µs, calls per step): a call near the step time "
-                      "blocked until the GPU caught up.", ""]
+            lines += ["", "Host time per step in CUDA API calls (µs, calls per step; a call near the step time "
+                      "blocked until the GPU caught up; the profiler's own cudaDeviceSynchronize at its end is "
+                      "included).", ""]
             for r, calls in host:
                 if calls:
                     lines.append(f"- B = {r['B']}, {human_n(r['n'])}, {r['method']}: " + ", ".join(
