@@ -15,6 +15,9 @@ share ``x`` and whose ``W_i`` are frozen constants with the same number of rows 
     inductor_config.post_grad_custom_pre_pass = ConcatProjections()
     step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
+(``hashattention.compile_options.decode_compile_options()`` returns these settings, with CUDA graphs and
+programmatic dependent launch, as one ``options`` dict for ``torch.compile``.)
+
 The concatenated weights are new constants beside the module's own parameters (the model stays
 usable eagerly), so they cost their bytes once more: 1.6 GB for Llama-3.1-8B's q | k | v. Without
 freezing the weights are graph inputs, not constants, and the pass changes nothing. It applies to
