@@ -71,7 +71,8 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
         if event.key in SYNC_CALLS and event.count > profiler_syncs.get(event.key, 0):
             syncs[event.key] = (event.count - profiler_syncs.get(event.key, 0)) / steps
         if getattr(event, "device_type", None) == DeviceType.CPU and is_cuda_api_call(event.key):
-            host_calls[event.key] = {"host_us_per_step": event.cpu_time_total / steps, "calls_per_step": event.count / steps}
+            host_calls[event.key] = {"host_us_per_step": event.cpu_time_total / steps,
+                                     "calls_per_step": event.count / steps}
         if cuda:
             if getattr(event, "device_type", None) != DeviceType.CUDA:
                 continue
@@ -94,7 +95,8 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
         "host_sync_calls_per_step": syncs,
         # Where the host's issue time goes: a call that blocks (a graph launch waiting for the GPU, say)
         # shows here with about a step's time even when no synchronizing call was made.
-        "host_calls_us_per_step": dict(sorted(host_calls.items(), key=lambda kv: -kv[1]["host_us_per_step"])[:HOST_CALLS_KEPT]),
+        "host_calls_us_per_step": dict(
+            sorted(host_calls.items(), key=lambda kv: -kv[1]["host_us_per_step"])[:HOST_CALLS_KEPT]),
         "launches_per_step": sum(k["launches_per_step"] for k in kernels),
         "top_kernels": kernels[:40],
         **({"timeline": trace_timeline(prof, trace_path, steps)} if trace_path else {}),

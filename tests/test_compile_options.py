@@ -4,13 +4,9 @@ import pytest
 import torch
 
 from hashattention.compile_options import decode_compile_options
-from hashattention.config import HashAttentionConfig
 from hashattention.inductor_passes import ConcatProjections
-from hashattention.patching import patch
 
-from hf_models import random_ids, tiny_adapters, tiny_model
-from test_inductor_passes import frozen_step_gemms
-from test_integration import LOGIT_TOLERANCE, PROMPT, make_cache
+from test_inductor_passes import compare_decode_step, frozen_step_gemms
 
 
 def test_default_options_and_their_switches():
@@ -37,28 +33,19 @@ def test_bad_combinations_are_refused(arguments, message):
 def test_torch_compile_takes_the_options_and_the_step_matches_eager(patched):
     """torch.compile(..., options=decode_compile_options()) compiles a static-cache decode step of a tiny Llama
     (dense or HashAttention-patched; CUDA graphs do not apply on the CPU) to eager's logits."""
-    model = tiny_model("llama", layers=2)
-    ids = random_ids(2, PROMPT, seed=7)
-    step_kwargs = dict(use_cache=True, cache_position=torch.tensor([PROMPT]))
-    context = patch(model, tiny_adapters(model), HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)) \
-        if patched else torch.no_grad()
-    with context, torch.no_grad():
-        caches = [make_cache("static", model, PROMPT + 2) for _ in range(2)]
-        for cache in caches:
-            model(ids, past_key_values=cache, use_cache=True)
-        eager = model(ids[:, -1:], past_key_values=caches[0], **step_kwargs).logits
-        torch._dynamo.reset()
+    def run(forward, args, kwargs):
         # weight_prepack off: a CPU freezing compile with it registers mkldnn weight packing for the rest of the
         # process, which would turn later tests' GEMMs into mkl calls that their code checks do not count.
-        step = torch.compile(model.forward, fullgraph=True,
-                             options={**decode_compile_options(), "cpp.weight_prepack": False})
-        compiled = step(ids[:, -1:], past_key_values=caches[1], **step_kwargs).logits
-        torch._dynamo.reset()
-    torch.testing.assert_close(compiled, eager, **LOGIT_TOLERANCE)
+        options = {**decode_compile_options(), "cpp.weight_prepack": False}
+        step = torch.compile(forward, fullgraph=True, options=options)
+        return step(*args, **kwargs), None
+
+    compare_decode_step(patched, 2, run, seed=7)
 
 
 def test_the_options_merge_the_projections():
     """With inductor's own CPU concatenation off, the options' pass leaves 4 GEMMs per layer plus lm_head."""
-    assert frozen_step_gemms(True, 2, {**decode_compile_options(cuda_graphs=False), "cpp.enable_concat_linear": False}) == 9
-    assert frozen_step_gemms(True, 2, {**decode_compile_options(cuda_graphs=False, merge_projections=False),
-                                       "cpp.enable_concat_linear": False}) == 15
+    own_concat_off = {"cpp.enable_concat_linear": False}
+    assert frozen_step_gemms(True, 2, {**decode_compile_options(cuda_graphs=False), **own_concat_off}) == 9
+    unmerged = decode_compile_options(cuda_graphs=False, merge_projections=False)
+    assert frozen_step_gemms(True, 2, {**unmerged, **own_concat_off}) == 15

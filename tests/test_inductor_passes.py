@@ -97,11 +97,12 @@ def test_gemms_that_do_not_qualify_stay_apart(weights, placeholders):
     assert mm_count(module) == len(weights)
 
 
-def frozen_step_gemms(patched: bool, layers: int, options: dict) -> int:
-    """GEMM calls in the generated code of a compiled static-cache decode step of a tiny Llama (plain or
-    HashAttention-patched) under inductor ``options``; asserts the step's logits equal eager's."""
+def compare_decode_step(patched: bool, layers: int, run_compiled, seed: int = 6):
+    """One static-cache decode step of a tiny Llama (plain or HashAttention-patched), eagerly and through
+    ``run_compiled(forward, args, kwargs) -> (output, extra)`` on a second cache filled by the same prompt;
+    asserts the logits agree and returns ``extra``."""
     model = tiny_model("llama", layers=layers)
-    ids = random_ids(2, PROMPT, seed=6)
+    ids = random_ids(2, PROMPT, seed=seed)
     step_kwargs = dict(use_cache=True, cache_position=torch.tensor([PROMPT]))
     context = patch(model, tiny_adapters(model), HashAttentionConfig(sink_tokens=4, local_tokens=4, budget_tokens=8)) \
         if patched else torch.no_grad()
@@ -111,12 +112,21 @@ def frozen_step_gemms(patched: bool, layers: int, options: dict) -> int:
             model(ids, past_key_values=cache, use_cache=True)
         eager = model(ids[:, -1:], past_key_values=caches[0], **step_kwargs).logits
         torch._dynamo.reset()
-        # weight_prepack off: on the CPU the GEMMs then stay aten mm calls that the generated code names
-        with inductor_config.patch({**options, "cpp.weight_prepack": False}):
-            out, code = run_and_get_code(torch.compile(model.forward, fullgraph=True), ids[:, -1:],
-                                         past_key_values=caches[1], **step_kwargs)
+        out, extra = run_compiled(model.forward, (ids[:, -1:],), dict(past_key_values=caches[1], **step_kwargs))
         torch._dynamo.reset()
     torch.testing.assert_close(out.logits, eager, **LOGIT_TOLERANCE)
+    return extra
+
+
+def frozen_step_gemms(patched: bool, layers: int, options: dict) -> int:
+    """GEMM calls in the generated code of a compiled static-cache decode step of a tiny Llama (plain or
+    HashAttention-patched) under inductor ``options``; asserts the step's logits equal eager's."""
+    def run(forward, args, kwargs):
+        # weight_prepack off: on the CPU the GEMMs then stay aten mm calls that the generated code names
+        with inductor_config.patch({**options, "cpp.weight_prepack": False}):
+            return run_and_get_code(torch.compile(forward, fullgraph=True), *args, **kwargs)
+
+    code = compare_decode_step(patched, layers, run)
     return sum(collections.Counter(re.findall(r"extern_kernels\.(mm|addmm)\(", "\n".join(code))).values())
 
 
