@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .inductor_passes import LAYOUTS, ConcatProjections
+from .inductor_passes import ConcatProjections, _check_layout
 
 
 def decode_compile_options(cuda_graphs: bool = True, pdl: bool = True, freeze: bool = True,
@@ -54,8 +54,7 @@ def decode_compile_options(cuda_graphs: bool = True, pdl: bool = True, freeze: b
     if merge_projections and not freeze:
         raise ValueError("merge_projections=True needs freeze=True: without freezing the weights are graph "
                          "inputs, not constants, and nothing can be merged")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout)  # also when nothing is merged: a wrong name is refused either way
     options: Dict[str, object] = {"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": pdl, "freezing": freeze}
     if merge_projections:
         options["post_grad_custom_pre_pass"] = ConcatProjections(layout)

@@ -157,15 +157,14 @@ def markdown(record: dict) -> str:
             lines.append(f"| {r['B']} | {human_n(r['n'])} | {r['method']} | {p['kernel_us_per_step']:.0f} | "
                          + " | ".join(f"{c.get(k, 0.0):.0f}" for k in ("attention", "selection", "encode", "gemm", "other"))
                          + f" | {syncs} | {fmt(replays.get('kernels'), 'g')} | {fmt(replays.get('idle_inside_us'), '.0f')} |")
-        host = [(r, r["profile"].get("host_calls_us_per_step")) for r in profiled]
-        if any(calls for _, calls in host):
+        host = [(r, calls) for r in profiled if (calls := r["profile"].get("host_calls_us_per_step"))]
+        if host:
             lines += ["", "Host time per step in CUDA API calls (µs, calls per step; a call near the step time "
                       "blocked until the GPU caught up; the profiler's own cudaDeviceSynchronize at its end is "
                       "included).", ""]
             for r, calls in host:
-                if calls:
-                    lines.append(f"- B = {r['B']}, {human_n(r['n'])}, {r['method']}: " + ", ".join(
-                        f"{name} {c['host_us_per_step']:.0f} ({c['calls_per_step']:g})" for name, c in calls.items()))
+                lines.append(f"- B = {r['B']}, {human_n(r['n'])}, {r['method']}: " + ", ".join(
+                    f"{name} {c['host_us_per_step']:.0f} ({c['calls_per_step']:g})" for name, c in calls.items()))
     lines += ["", "## Targets (issue 7)", ""]
     lines += [target_line(record, *t) for t in TARGETS]
     return "\n".join(lines)
