@@ -103,12 +103,22 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   [ "${FROZEN_AB:-1}" = 0 ] && a_value=$frozen skip_b=1
   [ "${FROZEN_AB:-1}" = layout ] && a_value="freezing=True,post_grad_custom_pre_pass='concat_projections'" \
     frozen="freezing=True,post_grad_custom_pre_pass='concat_projections_keep_layout'"
-  for method in hash-query_head-32 dense; do
-    OUT="/tmp/frozen_$method" VARIABLE=BENCH_INDUCTOR_OPTIONS A="$a_value" B="$frozen" ROUNDS=1 SKIP_DENSE=1 \
-      SKIP_B=$skip_b METHOD=$method PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} bash scripts/ab_generate.sh | tail -6
-    cat "/tmp/frozen_$method/summary.md" "/tmp/frozen_$method"/{a1,b1}.log > "$OUT/frozen_$method.txt" 2>/dev/null
-    python3 -c "import glob, json, sys; print(json.dumps({run: [json.load(open(f)) for f in glob.glob(f'{sys.argv[1]}/{run}/*.json')]
-      for run in ('a1', 'b1')}))" "/tmp/frozen_$method" > "$OUT/frozen_$method.json"
+  # FROZEN_BATCHES="4 1": each batch size in turn, files named frozen_b<B>_<method>.* (default: the one batch
+  # scripts/ab_generate.sh picks for the GPU's memory, files frozen_<method>.*). With two batch sizes the
+  # successful build's log is dropped so that the 8 files of results come back.
+  for batch in ${FROZEN_BATCHES:-auto}; do
+    tag="" batch_env=()
+    [ "$batch" != auto ] && tag="b${batch}_" batch_env=(BATCH="$batch")
+    for method in hash-query_head-32 dense; do
+      run_dir="/tmp/frozen_$tag$method"
+      env "${batch_env[@]}" OUT="$run_dir" VARIABLE=BENCH_INDUCTOR_OPTIONS A="$a_value" B="$frozen" ROUNDS=1 \
+        SKIP_DENSE=1 SKIP_B=$skip_b METHOD=$method PROFILE_STEPS=3 RUN_SECONDS=${FROZEN_RUN_SECONDS:-150} \
+        bash scripts/ab_generate.sh | tail -6
+      cat "$run_dir/summary.md" "$run_dir"/{a1,b1}.log > "$OUT/frozen_$tag$method.txt" 2>/dev/null
+      python3 -c "import glob, json, sys; print(json.dumps({run: [json.load(open(f)) for f in glob.glob(f'{sys.argv[1]}/{run}/*.json')]
+        for run in ('a1', 'b1')}))" "$run_dir" > "$OUT/frozen_$tag$method.json"
+    done
   done
+  [ -n "${FROZEN_BATCHES:-}" ] && [ "$(wc -w <<< "$FROZEN_BATCHES")" -gt 1 ] && rm -f "$OUT/build.log"
 fi
 el done
