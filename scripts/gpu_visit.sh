@@ -106,7 +106,8 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
   # FROZEN_BATCHES="4 1": each batch size in turn, files named frozen_b<B>_<method>.* (default: the one batch
   # scripts/ab_generate.sh picks for the GPU's memory, files frozen_<method>.*). With two batch sizes the
   # successful build's log is dropped so that the 8 files of results come back.
-  for batch in ${FROZEN_BATCHES:-auto}; do
+  batches=(${FROZEN_BATCHES:-auto})
+  for batch in "${batches[@]}"; do
     tag="" batch_env=()
     [ "$batch" != auto ] && tag="b${batch}_" batch_env=(BATCH="$batch")
     for method in hash-query_head-32 dense; do
@@ -119,6 +120,6 @@ if [[ " $STEPS " == *" frozen "* ]]; then  # not part of "all"
         for run in ('a1', 'b1')}))" "$run_dir" > "$OUT/frozen_$tag$method.json"
     done
   done
-  [ -n "${FROZEN_BATCHES:-}" ] && [ "$(wc -w <<< "$FROZEN_BATCHES")" -gt 1 ] && rm -f "$OUT/build.log"
+  [ ${#batches[@]} -gt 1 ] && rm -f "$OUT/build.log"
 fi
 el done
