@@ -370,3 +370,32 @@ def test_hashattention_follow_rejects_a_bad_count():
         FollowAttended(follow_tokens=0)
     with pytest.raises(ValueError, match="keep_attended must be a bool"):
         FollowAttended(keep_attended=1)
+
+
+@pytest.mark.parametrize("name, factor", [("hashattention-rerank-2", 2), ("hashattention-rerank-4", 4)])
+def test_hashattention_rerank_keeps_the_best_exact_logits_among_the_hamming_candidates(adapter_dirs, name, factor):
+    """Stage 1: sink + local + factor * m by Hamming score (brute force); stage 2: of those candidates outside
+    the windows, the m largest float64 logits q . k * scaling (ties to the later position)."""
+    directory, adapters = adapter_dirs["query"]
+    selector = prepared(name, adapters_dir=directory)
+    assert selector.identity()["candidate_factor"] == factor
+    query, key, value = inputs(9)
+    with torch.no_grad():
+        hamming = _hamming_scores(adapters, query, key, selection_heads=4)
+    stage_one = brute_force_select(hamming, BUDGET.sink_tokens, BUDGET.local_tokens, BUDGET.heavy_tokens * factor)
+    windows = brute_force_select(hamming, BUDGET.sink_tokens, BUDGET.local_tokens, 0)
+    expected = {}
+    for (b, h, l), candidates in stage_one.items():
+        logit = lambda j: float((query[b, h, l].double() * key[b, kv_of(h), j].double()).sum()) * SCALING
+        ranked = sorted(candidates - windows[(b, h, l)], key=lambda j: (logit(j), j), reverse=True)
+        expected[(b, h, l)] = windows[(b, h, l)] | set(ranked[: BUDGET.heavy_tokens])
+    indices, counts = selector.select(0, query, key, value, BUDGET, SCALING)
+    assert selected_sets(indices, counts) == expected
+    # The re-rank changes the choice: the exact logits do not pick the Hamming top-m on these inputs.
+    assert expected != brute_force_select(hamming, BUDGET.sink_tokens, BUDGET.local_tokens, BUDGET.heavy_tokens)
+
+
+def test_hashattention_rerank_rejects_a_bad_factor():
+    from hashattention.evaluation.selectors.hashattention_rerank import RerankedHashAttention
+    with pytest.raises(ValueError, match="candidate_factor must be a positive int"):
+        RerankedHashAttention(candidate_factor=0)
