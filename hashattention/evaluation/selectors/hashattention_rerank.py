@@ -17,12 +17,12 @@ bytes by running it at twice the sparsity.
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 from ... import ops
+from ..metrics import selection_mask
 from .base import grouped_logits
 from .hashattention_selector import HashAttentionSelector
-from .signature_cache import cached_key_signatures
 
 
 class RerankedHashAttention(HashAttentionSelector):
@@ -39,28 +39,13 @@ class RerankedHashAttention(HashAttentionSelector):
         return {**super().identity(), "candidate_factor": self.candidate_factor}
 
     def select(self, layer, query, key, value, budget, scaling):
-        adapter = self.adapters[layer]
-        key_signatures = cached_key_signatures(self.state, layer, key, adapter.key_signatures)
-        indices, counts = ops.hamming_topk(
-            adapter.query_signatures(query),
-            key_signatures,
-            selection_heads=self.selection_heads(self.shape),
-            sink_tokens=budget.sink_tokens,
-            local_tokens=budget.local_tokens,
-            budget_tokens=budget.heavy_tokens * self.candidate_factor,
-        )
-        candidates = candidate_mask(indices, counts, key.shape[2])  # (B, Hq, P, N)
+        # Stage 1: plain HashAttention with c * m heavy tokens.
+        wider = dataclasses.replace(budget, heavy_tokens=budget.heavy_tokens * self.candidate_factor)
+        indices, counts = super().select(layer, query, key, value, wider, scaling)
+        candidates = selection_mask(indices, counts, key.shape[2], query.shape[1])  # (B, Hq, P, N)
         logits = grouped_logits(query, key, scaling)
         # Non-candidates rank below every candidate; the windows are kept by the selection itself.
         scores = logits.masked_fill(~candidates, float("-inf"))
         return ops.topk_from_scores(scores, sink_tokens=budget.sink_tokens, local_tokens=budget.local_tokens,
                                     budget_tokens=budget.heavy_tokens)
 
-
-def candidate_mask(indices: torch.Tensor, counts: torch.Tensor, keys: int) -> torch.Tensor:
-    """bool ``(B, H, P, keys)``: the positions among the first ``counts`` slots of int32 ``indices``
-    ``(B, H, P, K)`` (the slots past a row's count are padding)."""
-    valid = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None].long()
-    hits = torch.zeros(*indices.shape[:-1], keys, dtype=torch.int32, device=indices.device)
-    hits.scatter_add_(-1, indices.long().clamp(0, keys - 1), valid.to(torch.int32))
-    return hits > 0
