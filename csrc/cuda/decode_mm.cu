@@ -9,10 +9,11 @@
 // programmatically loads its first weight chunks (constants: nothing earlier writes them) before it
 // waits for the kernel that wrote its input.
 //
-// Layout of the work: out[m, n] = sum_k a[m, k] * w[n, k] with w = b.t() row-major (N, K). A warp owns
-// kRows consecutive n and walks K in 8-element chunks, lane c taking chunks c, c + 32, ...; each
-// chunk of a is read once per warp and used for all kRows rows. Partial sums stay in fp32 registers
-// and are reduced across the warp at the end.
+// Layout of the work: out[m, n] = sum_k a[m, k] * w[n, k] with w = b.t() row-major (N, K). A warp takes
+// groups of kRows consecutive n in turn (a grid the GPU holds at once, striding over the groups) and
+// walks K in 8-element chunks, lane c taking chunks c, c + 32, ...; each chunk of a is read once per
+// warp and used for all kRows rows. Partial sums stay in fp32 registers and are reduced across the warp
+// at the end, so no second launch adds up partial products (cuBLAS's split-K does).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -20,7 +21,11 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "decode_mm.h"
 #include "cuda_common.cuh"
@@ -76,14 +81,9 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& w, float acc)
   return acc;
 }
 
+// One warp's rows [first_n, first_n + kRows) (clipped to N): out[m, n] for every m < rows.
 template <typename T, int kMaxRows, int kRows>
-__global__ void __launch_bounds__(kMmWarps * 32) decode_mm_kernel(const DecodeMmParams<T> p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t first_n = (static_cast<int64_t>(blockIdx.x) * kMmWarps + (threadIdx.x >> 5)) * kRows;
-  if (first_n >= p.N) {
-    wait_for_prerequisite_grids();
-    return;
-  }
+__device__ __forceinline__ void rows_of_one_warp(const DecodeMmParams<T>& p, int64_t first_n, int lane, bool first) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const char* w_rows[kRows];
 #pragma unroll
@@ -104,10 +104,12 @@ __global__ void __launch_bounds__(kMmWarps * 32) decode_mm_kernel(const DecodeMm
       for (int r = 0; r < kRows; ++r) next[u][r] = c < chunks ? load_streaming(w_rows[r] + c * 16) : zero;
     }
   };
-  // The weights are constants: start streaming them before the kernel that wrote `a` has finished.
   load_stage(0);
-  wait_for_prerequisite_grids();
-  allow_dependent_launch();
+  if (first) {
+    // The weights are constants: the first stage streams in while the kernel that wrote `a` finishes.
+    wait_for_prerequisite_grids();
+    allow_dependent_launch();
+  }
 
   float acc[kMaxRows][kRows];
 #pragma unroll
@@ -144,33 +146,74 @@ __global__ void __launch_bounds__(kMmWarps * 32) decode_mm_kernel(const DecodeMm
       float s = acc[m][r];
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
-      if (lane == ((m * kRows + r) & 31) && first_n + r < p.N) p.out[m * p.N + first_n + r] = from_float(s, static_cast<const T*>(nullptr));
+      if (lane == ((m * kRows + r) & 31) && first_n + r < p.N) {
+        p.out[m * p.N + first_n + r] = from_float(s, static_cast<const T*>(nullptr));
+      }
     }
   }
 }
 
-// Rows of weight per warp: as many as still give every SM kMinBlocksPerSm blocks, so that enough
-// loads are in flight, and fewer passes over the input rows per weight byte otherwise.
-constexpr int kMinBlocksPerSm = 4;
+// Warps stride over groups of kRows rows: the grid is at most what the GPU holds at once, so every warp
+// does nearly the same number of groups (launch_for_rows picks kRows for that).
+template <typename T, int kMaxRows, int kRows>
+__global__ void __launch_bounds__(kMmWarps * 32) decode_mm_kernel(const DecodeMmParams<T> p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t groups = (p.N + kRows - 1) / kRows;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kMmWarps;
+  int64_t group = static_cast<int64_t>(blockIdx.x) * kMmWarps + (threadIdx.x >> 5);
+  if (group >= groups) {
+    wait_for_prerequisite_grids();
+    return;
+  }
+  for (bool first = true; group < groups; group += warps, first = false) {
+    rows_of_one_warp<T, kMaxRows, kRows>(p, group * kRows, lane, first);
+  }
+}
 
+// Blocks of `kernel` one SM holds at once, asked from the driver once per (device, kernel).
+int64_t resident_blocks_per_sm(const void* kernel) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, kernel);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMmWarps * 32, 0));
+    it = cache.emplace(key, std::max(blocks, 1)).first;
+  }
+  return it->second;
+}
+
+// Rows per warp: the one whose groups fill the resident warps' rounds best (a weight row is the unit of
+// work, and a round in which only some warps have a row left streams at a fraction of the bandwidth);
+// more rows per warp on a tie, which reads the input rows from L1 fewer times per weight byte.
 template <typename T, int kMaxRows>
 void launch_for_rows(const DecodeMmParams<T>& p) {
+  const void* kernels[] = {reinterpret_cast<const void*>(&decode_mm_kernel<T, kMaxRows, 4>),
+                           reinterpret_cast<const void*>(&decode_mm_kernel<T, kMaxRows, 2>),
+                           reinterpret_cast<const void*>(&decode_mm_kernel<T, kMaxRows, 1>)};
+  const int64_t rows_per_warp[] = {4, 2, 1};
   const int64_t sms = multiprocessor_count();
-  auto blocks_for = [&](int rows_per_warp) { return (p.N + kMmWarps * rows_per_warp - 1) / (kMmWarps * rows_per_warp); };
-  const void* kernel;
-  int64_t blocks;
-  if (blocks_for(4) >= kMinBlocksPerSm * sms) {
-    kernel = reinterpret_cast<const void*>(&decode_mm_kernel<T, kMaxRows, 4>);
-    blocks = blocks_for(4);
-  } else if (blocks_for(2) >= kMinBlocksPerSm * sms) {
-    kernel = reinterpret_cast<const void*>(&decode_mm_kernel<T, kMaxRows, 2>);
-    blocks = blocks_for(2);
-  } else {
-    kernel = reinterpret_cast<const void*>(&decode_mm_kernel<T, kMaxRows, 1>);
-    blocks = blocks_for(1);
+  int best = 0;
+  double best_fill = -1.0;
+  int64_t best_blocks = 1;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t groups = (p.N + rows_per_warp[i] - 1) / rows_per_warp[i];
+    const int64_t resident_warps = resident_blocks_per_sm(kernels[i]) * sms * kMmWarps;
+    const int64_t rounds = (groups + resident_warps - 1) / resident_warps;
+    const double fill = static_cast<double>(groups) / static_cast<double>(rounds * resident_warps);
+    if (fill > best_fill + 0.05) {
+      best = i;
+      best_fill = fill;
+      best_blocks = std::min((groups + kMmWarps - 1) / kMmWarps, resident_warps / kMmWarps);
+    }
   }
   DecodeMmParams<T> params = p;
-  launch_with_single_argument(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kMmWarps * 32), 0, &params);
+  launch_with_single_argument(kernels[best], dim3(static_cast<unsigned>(best_blocks)), dim3(kMmWarps * 32), 0,
+                              &params);
 }
 
 template <typename T>
