@@ -77,8 +77,4 @@ TORCH_LIBRARY(hashattention, m) {
   m.def(
       "sparse_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor indices, "
       "Tensor? counts, Tensor? block_table, float scale, Tensor(a!)? workspace=None) -> (Tensor out, Tensor lse)");
-  // a @ b, as aten::mm, for a decode step's few rows: a (M, K), b (K, N), same floating dtype; returns (M, N).
-  // On CUDA, bf16 / fp16 with M <= 8 and b column-major (a frozen nn.Linear weight's transpose) run a
-  // weight-streaming kernel; everything else is at::mm.
-  m.def("decode_mm(Tensor a, Tensor b) -> Tensor");
 }

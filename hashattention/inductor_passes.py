@@ -44,7 +44,6 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 _MM = torch.ops.aten.mm.default
-_DECODE_MM_ROWS = 8  # the most rows hashattention::decode_mm's CUDA kernel takes (csrc/decode_mm.h)
 _SLICE = torch.ops.aten.slice.Tensor
 _NAME_PREFIX = "_hashattention_concat_weight"
 
@@ -54,21 +53,18 @@ LAYOUTS = ("row_major", "keep")
 
 class ConcatProjections(CustomGraphPass):
     """``torch._inductor.config.post_grad_custom_pre_pass`` value running
-    :func:`concat_shared_input_projections` with ``layout``, then, with ``decode_mm=True``,
-    :func:`use_decode_mm` (cacheable: its identity is this file's hash and the two settings)."""
+    :func:`concat_shared_input_projections` with ``layout`` (cacheable: its identity is this file's hash
+    and the layout)."""
 
-    def __init__(self, layout: str = "keep", decode_mm: bool = False):
+    def __init__(self, layout: str = "keep"):
         _check_layout(layout)
         self.layout = layout
-        self.decode_mm = bool(decode_mm)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         concat_shared_input_projections(graph, self.layout)
-        if self.decode_mm:
-            use_decode_mm(graph)
 
     def uuid(self):
-        return (get_hash_for_files((__file__,)), self.layout, self.decode_mm)
+        return (get_hash_for_files((__file__,)), self.layout)
 
 
 def _check_layout(layout: str) -> None:
@@ -141,6 +137,8 @@ def concat_shared_input_projections(graph: torch.fx.Graph, layout: str = "keep")
             product = graph.call_function(_MM, (x, constant))
             if fake_x is not None:
                 with fake_x.fake_mode:
+                    # A constant's sizes never change: without static_shapes a mode with a shape environment
+                    # would give it new symbols, which code generated for a consumer can name but not bind.
                     constant.meta["val"] = fake_x.fake_mode.from_tensor(concatenated, static_shapes=True)
                     product.meta["val"] = torch.mm(fake_x, constant.meta["val"])
             start = 0
@@ -162,33 +160,3 @@ def concat_shared_input_projections(graph: torch.fx.Graph, layout: str = "keep")
                 graph.erase_node(old_weight)
         merged += 1
     return merged
-
-
-def use_decode_mm(graph: torch.fx.Graph, device_types: Tuple[str, ...] = ("cuda",),
-                  dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> int:
-    """Rewrites ``graph`` in place: every ``aten.mm(x, W)`` whose ``W`` is a frozen constant and whose ``x``
-    has at most 8 rows (a static count) and is a bfloat16/float16 CUDA tensor becomes
-    ``hashattention::decode_mm(x, W)`` (the same product; a weight-streaming kernel where the layout
-    allows, ``torch.mm`` otherwise). ``device_types`` and ``dtypes`` widen that for tests (on the CPU the
-    op is ``torch.mm``). Returns how many nodes it rewrote."""
-    module = graph.owning_module
-    if module is None:
-        return 0
-    import hashattention.ops  # noqa: F401  (registers the op and its fake kernel)
-
-    decode_mm = torch.ops.hashattention.decode_mm.default
-    rewritten = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not _MM or len(node.args) != 2 or node.kwargs:
-            continue
-        x, w = node.args
-        fake_x = _fake(x) if isinstance(x, torch.fx.Node) else None
-        if _constant_weight(module, w) is None or fake_x is None:
-            continue
-        rows = fake_x.shape[0]
-        if not isinstance(rows, int) or rows > _DECODE_MM_ROWS or fake_x.device.type not in device_types or \
-                fake_x.dtype not in dtypes:
-            continue
-        node.target = decode_mm
-        rewritten += 1
-    return rewritten

@@ -410,29 +410,3 @@ def _sparse_attention_fake(query, key_cache, value_cache, indices, counts, block
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
     return out, lse
-
-
-def decode_mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` (exactly ``torch.mm``'s contract) for the few rows of a decode step.
-
-    Args:
-        a: ``(M, K)`` float32/float16/bfloat16 -- the step's activations, one row per sequence.
-        b: ``(K, N)`` of ``a``'s dtype -- typically a frozen ``nn.Linear`` weight's transpose
-            (``weight.t()``, column-major).
-
-    Returns:
-        ``(M, N)`` in ``a``'s dtype, accumulated in float32.
-
-    On CUDA, bfloat16/float16 with ``1 <= M <= 8``, ``K`` a multiple of 8, ``a`` row-major and ``b``
-    column-major (16-byte aligned rows) run a kernel that streams each weight row once with several
-    16-byte loads in flight and starts reading the weights before the kernel ahead of it has finished
-    (programmatic dependent launch); anything else, and the CPU, is ``torch.mm``.
-    :class:`hashattention.inductor_passes.DecodeMatmuls` puts it in place of a compiled decode step's
-    ``mm`` nodes.
-    """
-    return torch.ops.hashattention.decode_mm.default(a, b)
-
-
-@torch.library.register_fake("hashattention::decode_mm")
-def _decode_mm_fake(a, b):
-    return a.new_empty((a.shape[0], b.shape[1]))

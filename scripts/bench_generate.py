@@ -174,8 +174,7 @@ def parse_args(argv=None):
                              "and row; a row takes its ratio only from a dense row with the same options. "
                              "post_grad_custom_pre_pass='concat_projections' (with freezing=True) merges the q / k / v "
                              "GEMMs of a layer into one (hashattention/inductor_passes.py); "
-                             "'concat_projections_keep_layout' keeps the weights' column-major layout; "
-                             "'concat_projections_decode_mm' also runs the few-row GEMMs with hashattention's decode_mm")
+                             "'concat_projections_keep_layout' keeps the weights' column-major layout")
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     parser.add_argument("--process-per-method", action="store_true",
                         help="time every method in a Python process of its own, merged into the same --out files "
@@ -578,15 +577,14 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
         if key == GRAPH_PASS_OPTION:  # rows record the pass by name; inductor needs the pass object
             from hashattention.inductor_passes import ConcatProjections
 
-            value = ConcatProjections(**GRAPH_PASSES[value])
+            value = ConcatProjections(layout=GRAPH_PASSES[value])
         setattr(owner, name, value)
 
 
 # The inductor option that may name this package's graph pass (hashattention/inductor_passes.py), and
 # its names: the pass with each layout of the concatenated weights
 GRAPH_PASS_OPTION = "post_grad_custom_pre_pass"
-GRAPH_PASSES = {"concat_projections": dict(layout="row_major"), "concat_projections_keep_layout": dict(layout="keep"),
-                "concat_projections_decode_mm": dict(layout="keep", decode_mm=True)}
+GRAPH_PASSES = {"concat_projections": "row_major", "concat_projections_keep_layout": "keep"}
 
 
 class Benchmark:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine visit of the lead, batched: build, focused CUDA tests, per-kernel profile,
 # a B = 1 decode benchmark and the HF integration check (bf16, then float32).
-#   OUT=/dir bash scripts/gpu_visit.sh [tests|decode_mm|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|frozen|all ...]
+#   OUT=/dir bash scripts/gpu_visit.sh [tests|profile|ncu|ncu_source|probe|memcheck|bench|integration|generate|states|frozen|all ...]
 # Every step has its own timeout so that one visit stays under the 10-minute command limit.
 set -u
 OUT=${OUT:-/tmp/gpu_visit}; mkdir -p "$OUT"
@@ -25,14 +25,6 @@ if want tests; then
     -v -rf -p no:cacheprovider --maxfail=30 $XDIST > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|ERROR|passed|failed|crashed" "$OUT/pytest.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort | uniq | tail -25
   grep -E "^E  " "$OUT/pytest.log" | head -12
-fi
-if [[ " $STEPS " == *" decode_mm "* ]]; then  # not part of "all"
-  el "decode_mm: CUDA tests, then torch.mm against decode_mm on Llama-3.1-8B's weight GEMMs"
-  timeout 90 python3 -m pytest tests/test_decode_mm.py -k cuda -q -rf -p no:cacheprovider > "$OUT/decode_mm_pytest.log" 2>&1
-  echo "pytest rc=$?"; tail -4 "$OUT/decode_mm_pytest.log"
-  timeout ${DECODE_MM_SECONDS:-150} python3 scripts/bench_decode_mm.py --batches ${DECODE_MM_BATCHES:-1,4} --out "$OUT" \
-    > "$OUT/decode_mm_bench.log" 2>&1; echo "bench rc=$?"; grep -E "^\|" "$OUT/decode_mm_bench.log" | tail -14
-  rm -f "$OUT/decode_mm_bench.log"
 fi
 if want profile; then
   el "per-kernel profile"

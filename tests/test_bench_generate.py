@@ -421,7 +421,7 @@ def test_inductor_options_are_set_recorded_and_compared_only_with_the_same_optio
     ("combo_kernels=3", "expected a bool"),
     ("triton.enable_pdl=False", "use --inductor-pdl"),
     ("post_grad_custom_pre_pass='no_such_pass'",
-     "name one of this package's passes ('concat_projections', 'concat_projections_keep_layout', 'concat_projections_decode_mm')"),
+     "name one of this package's passes ('concat_projections', 'concat_projections_keep_layout')"),
     ("post_grad_custom_pre_pass='concat_projections_keep_layout'", "needs freezing=True"),
     ("post_grad_custom_pre_pass='concat_projections'", "needs freezing=True"),
 ])

@@ -54,10 +54,6 @@ def sample_calls(device):
         ("first_visible_key", (torch.rand(3, 50, generator=g).to(device) > 0.7,)),
         ("selection_bounds", (lengths, torch.rand(2, 50, generator=g).to(device) > 0.7, 8.0, None, 6, 0)),
         ("selection_bounds", (lengths.long(), None, None, 20, 6, 40)),
-        # The CUDA kernel's shape (a frozen weight's transpose, bf16) and torch.mm's (float32, row-major).
-        ("decode_mm", (torch.randn(3, 64, generator=g).to(device, torch.bfloat16),
-                       torch.randn(40, 64, generator=g).to(device, torch.bfloat16).t())),
-        ("decode_mm", (torch.randn(9, 24, generator=g).to(device), torch.randn(24, 5, generator=g).to(device))),
     ]
 
 
