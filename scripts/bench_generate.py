@@ -169,8 +169,11 @@ def parse_args(argv=None):
                              "TORCHINDUCTOR_ENABLE_PDL)")
     parser.add_argument("--inductor-option", action="append", metavar="KEY=VALUE",
                         help="set torch._inductor.config.KEY (dotted for nested options, e.g. combo_kernels=True or "
-                             "triton.max_tiles=3) for every method; repeatable; without it: the comma-separated "
-                             "BENCH_INDUCTOR_OPTIONS environment variable (for scripts/ab_generate.sh). Recorded per run "
+                             "triton.max_tiles=3) for every method; repeatable; 'none' alone: inductor's own defaults. "
+                             "Without it: the comma-separated BENCH_INDUCTOR_OPTIONS environment variable (for "
+                             "scripts/ab_generate.sh; set but empty: inductor's defaults); without either: "
+                             "freezing=True and post_grad_custom_pre_pass='concat_projections_keep_layout' under "
+                             "--compile reduce-overhead, nothing otherwise. Recorded per run "
                              "and row; a row takes its ratio only from a dense row with the same options. "
                              "post_grad_custom_pre_pass='concat_projections' (with freezing=True) merges the q / k / v "
                              "GEMMs of a layer into one (hashattention/inductor_passes.py); "
@@ -193,8 +196,14 @@ def parse_args(argv=None):
         parser.error("--methods is empty")
     try:
         items = args.inductor_option
-        if items is None:  # the flags replace the environment's list, not add to it
-            items = [o for o in os.environ.get("BENCH_INDUCTOR_OPTIONS", "").split(",") if o.strip()]
+        if items is None and "BENCH_INDUCTOR_OPTIONS" in os.environ:  # flags replace the environment's list
+            items = [o for o in os.environ["BENCH_INDUCTOR_OPTIONS"].split(",") if o.strip()]
+        if items is None:
+            # Nothing said: the decode step's fastest measured settings (what
+            # hashattention.compile_options.decode_compile_options() sets) wherever inductor compiles.
+            items = list(DECODE_INDUCTOR_OPTIONS) if args.compile == "reduce-overhead" else []
+        if [item.strip() for item in items] == ["none"]:
+            items = []
         args.inductor_options = parse_inductor_options(items)
     except ValueError as error:
         parser.error(str(error))
@@ -583,6 +592,10 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
 
 # The inductor option that may name this package's graph pass (hashattention/inductor_passes.py), and
 # its names: the pass with each layout of the concatenated weights
+# The default --inductor-option list for --compile reduce-overhead: frozen weights with q | k | v and gate | up
+# merged into one GEMM each, the merged weights column-major (H200, 2026-12-06: B = 4, 128K, 32x per head
+# 8.49 -> 7.97 ms per step, dense 21.13 -> 20.12; benchmarks/results/bench_generate_20261206_s45_frozen_h200.md).
+DECODE_INDUCTOR_OPTIONS = ("freezing=True", "post_grad_custom_pre_pass='concat_projections_keep_layout'")
 GRAPH_PASS_OPTION = "post_grad_custom_pre_pass"
 GRAPH_PASSES = {"concat_projections": "row_major", "concat_projections_keep_layout": "keep"}
 

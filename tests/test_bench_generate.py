@@ -196,7 +196,7 @@ def test_method_names_and_memory_arithmetic():
     for bad in ("hash-query_head-1", "hash-rows-16", "sparse", "hash-kv_group-x"):
         with pytest.raises(ValueError, match="--methods"):
             bench.parse_method(bad)
-    args = bench.parse_args(["--contexts", "131072", "--batches", "4"])
+    args = bench.parse_args(["--contexts", "131072", "--batches", "4", "--inductor-option", "none"])
     config = bench.model_config(args, 131072 + 200)
     need = bench.cell_bytes(config, 4, 131072, 2, ["kv", "query"], args)
     assert need["kv"] == 4 * 131072 * 32 * 4096          # 4 KiB of K+V per token and layer
@@ -458,3 +458,17 @@ def test_a_named_graph_pass_is_recorded_by_name_and_installed_as_the_pass(name, 
         assert isinstance(inductor_config.post_grad_custom_pre_pass, ConcatProjections)
         assert inductor_config.post_grad_custom_pre_pass.layout == layout
     assert inductor_config.freezing is False and inductor_config.post_grad_custom_pre_pass is None
+
+
+def test_the_default_inductor_options_are_the_decode_steps_fastest_where_inductor_compiles(monkeypatch):
+    """Without --inductor-option and BENCH_INDUCTOR_OPTIONS, reduce-overhead runs get frozen weights with the
+    merged projections (the H200 rows' settings); other compile modes get none; 'none' and a set-but-empty
+    environment variable ask for inductor's own defaults."""
+    monkeypatch.delenv("BENCH_INDUCTOR_OPTIONS", raising=False)
+    compiled = [arg if arg != "none" else "reduce-overhead" for arg in TINY]
+    assert bench.parse_args(compiled).inductor_options == {
+        "freezing": True, "post_grad_custom_pre_pass": "concat_projections_keep_layout"}
+    assert bench.parse_args([*TINY]).inductor_options == {}
+    assert bench.parse_args([*compiled, "--inductor-option", "none"]).inductor_options == {}
+    monkeypatch.setenv("BENCH_INDUCTOR_OPTIONS", "")
+    assert bench.parse_args(compiled).inductor_options == {}
