@@ -590,12 +590,14 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
         setattr(owner, name, value)
 
 
+# The default --inductor-option list for --compile reduce-overhead, by name, as rows record it: what
+# hashattention.compile_options.decode_compile_options() sets besides CUDA graphs and PDL (frozen weights,
+# q | k | v and gate | up merged into one GEMM each, column-major). H200, 2026-12-06: B = 4, 128K, 32x per
+# head 8.49 -> 7.97 ms per step, dense 21.13 -> 20.12 (benchmarks/results/bench_generate_20261206_s45_frozen_h200.md).
+DECODE_INDUCTOR_OPTIONS = ("freezing=True", "post_grad_custom_pre_pass='concat_projections_keep_layout'")
+
 # The inductor option that may name this package's graph pass (hashattention/inductor_passes.py), and
 # its names: the pass with each layout of the concatenated weights
-# The default --inductor-option list for --compile reduce-overhead: frozen weights with q | k | v and gate | up
-# merged into one GEMM each, the merged weights column-major (H200, 2026-12-06: B = 4, 128K, 32x per head
-# 8.49 -> 7.97 ms per step, dense 21.13 -> 20.12; benchmarks/results/bench_generate_20261206_s45_frozen_h200.md).
-DECODE_INDUCTOR_OPTIONS = ("freezing=True", "post_grad_custom_pre_pass='concat_projections_keep_layout'")
 GRAPH_PASS_OPTION = "post_grad_custom_pre_pass"
 GRAPH_PASSES = {"concat_projections": "row_major", "concat_projections_keep_layout": "keep"}
 

@@ -472,3 +472,9 @@ def test_the_default_inductor_options_are_the_decode_steps_fastest_where_inducto
     assert bench.parse_args([*compiled, "--inductor-option", "none"]).inductor_options == {}
     monkeypatch.setenv("BENCH_INDUCTOR_OPTIONS", "")
     assert bench.parse_args(compiled).inductor_options == {}
+    # The names stand for decode_compile_options()' settings.
+    from hashattention.compile_options import decode_compile_options
+
+    library = decode_compile_options()
+    assert library["freezing"] is True
+    assert library["post_grad_custom_pre_pass"].layout == bench.GRAPH_PASSES["concat_projections_keep_layout"]

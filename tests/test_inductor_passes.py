@@ -155,3 +155,19 @@ def test_inductor_freezing_alone_merges_what_this_torch_version_allows():
 def test_the_pass_identifies_itself_and_its_layout_for_the_compile_cache():
     assert ConcatProjections().uuid() == ConcatProjections("keep").uuid() is not None  # the default layout
     assert ConcatProjections("row_major").uuid() != ConcatProjections().uuid()
+
+
+def test_the_merged_constant_has_static_sizes_under_a_shape_environment():
+    """With dynamic shapes the graph's fake mode has a shape environment; the merged weight's fake value must
+    still have plain int sizes (a symbol there is one that code generated for its consumers cannot bind)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    module = projection_graph([("x", "wq", (16, 12)), ("x", "wk", (16, 4))], column_major=True)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x = next(n for n in module.graph.nodes if n.op == "placeholder")
+    x.meta["val"] = mode.from_tensor(torch.randn(3, 16, dtype=torch.float64), static_shapes=True)
+    assert concat_shared_input_projections(module.graph, "keep") == 1
+    constants = [n for n in module.graph.nodes if n.op == "get_attr"]
+    assert len(constants) == 1
+    assert all(type(size) is int for size in constants[0].meta["val"].shape)
