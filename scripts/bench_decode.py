@@ -20,7 +20,14 @@ and the time is divided by R):
   (each selected K/V row read once for the group);
 * ``select-per-head`` / ``select-group``: hamming_topk alone;
 * ``attend-per-head`` / ``attend-group``: sparse_attention alone, on indices selected beforehand
-  (so the pipeline's time splits into its two ops).
+  (so the pipeline's time splits into its two ops);
+* ``floor-read-<mode>``, ``floor-read-select-<mode>``, ``floor-read-attend-<mode>`` and
+  ``floor-empty`` (needs Triton): one kernel that only reads the same bytes as the whole step, the
+  selection or the attention, contiguously, and one that writes a single word -- what any kernel
+  reading those bytes costs at the least in the same graph setting (scripts/read_floor.py).
+
+The results file then checks the issue's targets (B = 1, 32x) against the run and says for each
+miss what bounds it, from these rows (scripts/decode_targets.py).
 
 Our attention calls pass a zeroed ``workspace`` allocated once (as the HF static cache does), so
 where the kernel merges its splits through counters no memset precedes it.
@@ -50,8 +57,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_targets  # noqa: E402
 import hashattention as ha  # noqa: E402
 import provenance  # noqa: E402
+import read_floor as floors  # noqa: E402
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK, LOCAL = 128, 128
@@ -291,6 +300,29 @@ def run_config(batch, n, sparsities, args, bandwidth, results, notes):
         ):
             us = time_graph(step, layers, args.repeats, args.warmup)
             record(row, f"{sparsity}x", us, nbytes, dict(layers=layers))
+
+        if floors.available():
+            # What any kernel reading the same bytes costs at the least (scripts/read_floor.py): the
+            # signatures, the attended rows' bytes (a contiguous prefix of the K cache, never slower
+            # to read than the scattered rows) and both in one launch.
+            for mode, signatures, sig_bytes, row_bytes in (
+                    ("per-head", data.k_sig_head, sel_head_bytes, rows_head_bytes),
+                    ("group", data.k_sig_group, sel_group_bytes, rows_group_bytes)):
+                if row_bytes > data.k[0].numel() * data.k[0].element_size():
+                    notes.append(f"B={batch} n={n} {sparsity}x {mode}: no read floor, the rows exceed the K cache")
+                    continue
+                sig_words = [floors.as_words(signatures[i]) for i in range(layers)]
+                row_words = [floors.as_words(data.k[i], row_bytes) for i in range(layers)]
+                for row, buffers, nbytes in (
+                        (f"floor-read-{mode}", [[a, b] for a, b in zip(sig_words, row_words)], sig_bytes + row_bytes),
+                        (f"floor-read-select-{mode}", [[a] for a in sig_words], sig_bytes),
+                        (f"floor-read-attend-{mode}", [[b] for b in row_words], row_bytes)):
+                    record(row, f"{sparsity}x", floors.time_read(buffers, time_graph, args.repeats), nbytes,
+                           dict(layers=layers))
+    if floors.available():
+        record("floor-empty", "-", floors.time_empty(time_graph, layers, args.repeats), 0, dict(layers=layers))
+    else:
+        notes.append(f"B={batch} n={n}: no floor rows (Triton is missing)")
     del data
     torch.cuda.empty_cache()
 
@@ -330,6 +362,7 @@ def markdown(results, meta, notes) -> str:
             lines.append(f"| {fmt_n(n)} | {dense:.1f} | {cell('ours-per-head')} | {cell('ours-per-head', 'speedup')} | "
                          f"{cell('ours-group')} | {cell('ours-group', 'speedup')} | {cell('select-per-head')} |")
         lines.append("")
+    lines += decode_targets.markdown(results)
     lines += ["## All rows", "", "| B | n | sparsity | row | µs | GB/s | % of byte floor | speedup vs best dense |",
               "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -372,7 +405,8 @@ def main():
         with open(os.path.join(args.out, f"bench_decode_{stamp}.md"), "w") as f:
             f.write(text)
         with open(os.path.join(args.out, f"bench_decode_{stamp}.json"), "w") as f:
-            json.dump(dict(meta=meta, results=results, notes=notes), f, indent=1)
+            json.dump(dict(meta=meta, results=results, notes=notes, targets=decode_targets.evaluate(results)), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

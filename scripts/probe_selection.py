@@ -42,12 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
 from bench_decode import time_graph  # noqa: E402
+import read_floor as floors  # noqa: E402
 
-try:  # only --read-floor needs it
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
 
 QUERY_HEADS, KV_HEADS, SINK, LOCAL = 32, 8, 128, 128
 PROBE = "HASHATTENTION_SELECTION_PROBE"
@@ -185,41 +181,20 @@ def print_timeline(batch: int, n: int, args) -> None:
                         ",".join(f"{phases[i, k].item():.3f}" for k in range(5)) + "\n")
 
 
-if triton is not None:
-    @triton.jit
-    def write_one(out):
-        tl.store(out, 1)
-
-    @triton.jit
-    def sum_words(words, out, n_words, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offsets = pid * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(words + offsets, mask=offsets < n_words, other=0)
-        tl.store(out + pid, tl.sum(x, axis=0))
-
-
 def read_floor(batch: int, n: int, args) -> tuple[float, float]:
     """Median µs of an empty kernel and of the best plain read of the selection's signature bytes.
 
     Each replay runs one launch per layer buffer, as time_selection does, so both numbers carry
-    the same per-launch gaps. The read kernels load every 32-bit word once (16-byte vectors) and
-    store one sum per block; the block sizes and warp counts tried are the usual fast ones.
+    the same per-launch gaps (scripts/read_floor.py).
     """
-    if triton is None:
+    if not floors.available():
         raise SystemExit("--read-floor needs Triton")
     key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
     slots = n + 128 if args.per_sequence else n
     g = torch.Generator(device="cuda").manual_seed(0)
-    buffers = [random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1) for _ in range(args.layers)]
-    words = buffers[0].numel()
-    sink = torch.zeros(1, device="cuda", dtype=torch.int32)
-    empty = time_graph(lambda i: write_one[(1,)](sink), args.layers, args.repeats, 5)
-    best = float("inf")
-    for block, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)):
-        blocks = triton.cdiv(words, block)
-        out = torch.empty(blocks, device="cuda", dtype=torch.int32)
-        launch = lambda i: sum_words[(blocks,)](buffers[i], out, words, BLOCK=block, num_warps=warps)  # noqa: E731
-        best = min(best, time_graph(launch, args.layers, args.repeats, 5))
+    buffers = [[random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1)] for _ in range(args.layers)]
+    empty = floors.time_empty(time_graph, args.layers, args.repeats)
+    best = floors.time_read(buffers, time_graph, args.repeats)
     del buffers
     return empty, best
 
