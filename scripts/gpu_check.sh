@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script that builds and checks the CUDA kernels on a GPU machine, then benchmarks.
 #
-#   OUT=/some/dir bash scripts/gpu_check.sh [--no-bench] [--bench-args "..."]
+#   OUT=/some/dir bash scripts/gpu_check.sh [--no-bench] [--bench-first] [--bench-args "..."]
+#   OUT=/some/dir DEADLINE=570 bash scripts/gpu_check.sh --bench-first   # one device command (10 min)
 #
 # 1. builds the extension in place with the CUDA kernels (sm_90; MAX_JOBS defaults to 16);
 # 2. runs the CUDA half of the op test grid (every device-parametrized test on "cuda", the graph,
@@ -9,22 +10,36 @@
 # 3. runs scripts/cuda_memcheck_smoke.py under compute-sanitizer --tool memcheck;
 # 4. runs scripts/bench_decode.py, writing benchmarks/results/bench_decode_<date>.{md,json}
 #    (copied to $OUT).
+# --bench-first runs step 4 before steps 2-3. DEADLINE (seconds after the start) caps every step's
+# timeout by the time left, so that one command stays under the device's limit and a step cut
+# short still leaves the others' logs; a step with under 20 s left is skipped and fails the check.
 # Logs go to $OUT (default /tmp/gpu_check). Exit status: non-zero if any step failed.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 BENCH=1
+BENCH_FIRST=0
 BENCH_ARGS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0 ;;
+    --bench-first) BENCH_FIRST=1 ;;
     --bench-args) BENCH_ARGS="$2"; shift ;;
   esac
   shift
 done
 status=0
-step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+step() { echo "== $1 ($(date -u +%H:%M:%S), $(( $(date +%s) - t0 )) s)"; }
+t0=$(date +%s)
+# The timeout for a step: its own limit, or the time left before DEADLINE if that is shorter.
+limit() {
+  local own=$1
+  [ -z "${DEADLINE:-}" ] && { echo "$own"; return; }
+  local left=$(( DEADLINE - ($(date +%s) - t0) ))
+  [ "$left" -lt "$own" ] && own=$left
+  echo "$own"
+}
 
 step build
 # At most 8 files come back from the GPU machine: keep $OUT to build.log, pytest.log, memcheck.log,
@@ -45,32 +60,45 @@ python3 -c "import hashattention as ha; assert ha.WITH_CUDA, 'built without CUDA
 step "error probe"
 python3 scripts/cuda_error_probe.py 2>&1
 
-step "pytest (CUDA)"
 # xdist (on the GPU image) keeps going if a test crashes its worker.
 XDIST=""
 python3 -c "import xdist" 2> /dev/null && XDIST="-n 14"
-# shellcheck disable=SC2086
-# The whole set took 109 s with 14 workers on an H200 (2026-12-04, 1335 tests): PYTEST_SECONDS
-# (default 400) bounds it; a run that hits the bound fails the check. PYTEST_FILTER picks a subset.
-timeout ${PYTEST_SECONDS:-400} python3 -m pytest tests -k "${PYTEST_FILTER:-cuda or graph or workspace or cluster or kernel}" \
-  -q -rf -p no:cacheprovider --maxfail=60 $XDIST > "$OUT/pytest.log" 2>&1 || status=1
-grep -E "^FAILED|passed|failed" "$OUT/pytest.log" | tail -40
 
-step "compute-sanitizer memcheck"
-if command -v compute-sanitizer > /dev/null; then
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+run_tests() {
+  step "pytest (CUDA)"
+  local seconds; seconds=$(limit "${PYTEST_SECONDS:-400}")
+  [ "$seconds" -lt 20 ] && { echo "skipped: ${seconds} s left before DEADLINE"; status=1; return; }
+  # The whole set took 109 s with 14 workers on an H200 (2026-12-04, 1335 tests): PYTEST_SECONDS
+  # (default 400) bounds it; a run that hits the bound fails the check. PYTEST_FILTER picks a subset.
+  # shellcheck disable=SC2086
+  timeout "$seconds" python3 -m pytest tests -k "${PYTEST_FILTER:-cuda or graph or workspace or cluster or kernel}" \
+    -q -rf -p no:cacheprovider --maxfail=60 $XDIST > "$OUT/pytest.log" 2>&1 || status=1
+  grep -E "^FAILED|passed|failed" "$OUT/pytest.log" | tail -40
+}
+
+run_memcheck() {
+  step "compute-sanitizer memcheck"
+  if ! command -v compute-sanitizer > /dev/null; then echo "compute-sanitizer not found: skipped"; return; fi
+  local seconds; seconds=$(limit 150)
+  [ "$seconds" -lt 20 ] && { echo "skipped: ${seconds} s left before DEADLINE"; status=1; return; }
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$seconds" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 scripts/cuda_memcheck_smoke.py > "$OUT/memcheck.log" 2>&1 || status=1
   tail -6 "$OUT/memcheck.log"
-else
-  echo "compute-sanitizer not found: skipped"
-fi
+}
 
-if [ "$BENCH" = 1 ]; then
+run_bench() {
   step benchmark
+  local seconds; seconds=$(limit 400)
+  [ "$seconds" -lt 20 ] && { echo "skipped: ${seconds} s left before DEADLINE"; status=1; return; }
   # shellcheck disable=SC2086
-  timeout 400 python3 scripts/bench_decode.py --out benchmarks/results $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
+  timeout "$seconds" python3 scripts/bench_decode.py --out benchmarks/results $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
   cp benchmarks/results/bench_decode_"$(date -u +%Y%m%d)".* "$OUT/" 2>/dev/null
   grep -v "^B=" "$OUT/bench.log" | tail -45
-fi
+}
+
+[ "$BENCH" = 1 ] && [ "$BENCH_FIRST" = 1 ] && run_bench
+run_tests
+run_memcheck
+[ "$BENCH" = 1 ] && [ "$BENCH_FIRST" = 0 ] && run_bench
 step "done, status $status"
 exit $status
