@@ -71,9 +71,12 @@ run_tests() {
   # The whole set took 109 s with 14 workers on an H200 (2026-12-04, 1335 tests): PYTEST_SECONDS
   # (default 400) bounds it; a run that hits the bound fails the check. PYTEST_FILTER picks a subset.
   # shellcheck disable=SC2086
+  # -v: with xdist every result line names its test, so a run cut short by its timeout still says
+  # which tests failed (session 46 lost a failure's name to a -q run that timed out).
   timeout "$seconds" python3 -m pytest tests -k "${PYTEST_FILTER:-cuda or graph or workspace or cluster or kernel}" \
-    -q -rf -p no:cacheprovider --maxfail=60 $XDIST > "$OUT/pytest.log" 2>&1 || status=1
-  grep -E "^FAILED|passed|failed" "$OUT/pytest.log" | tail -40
+    -v -rf -p no:cacheprovider --maxfail=60 $XDIST > "$OUT/pytest.log" 2>&1 || status=1
+  echo "$(grep -c " PASSED " "$OUT/pytest.log") passed, $(grep -c " FAILED " "$OUT/pytest.log") failed (result lines)"
+  grep -E " FAILED |^FAILED|^ERROR| passed| failed" "$OUT/pytest.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort -u | tail -40
 }
 
 run_memcheck() {
