@@ -15,7 +15,8 @@ merge, never a cluster):
     python scripts/probe_attention.py --batches 1 --ns 32768 131072 --shapes default default/c0
 
 Each shape's output is compared with the first shape's, so a launch shape that changes the result
-is reported. Inputs rotate over --layers buffers so that K/V come from DRAM.
+is reported. Inputs rotate over --layers buffers so that K/V come from DRAM, each replay passing over
+them as often as makes at least 32 steps (bench_decode.time_steps).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
-from bench_decode import time_graph  # noqa: E402
+from bench_decode import time_steps  # noqa: E402
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 KNOBS = ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "HASHATTENTION_ATTENTION_MIN_ROWS")
@@ -109,7 +110,7 @@ def main() -> int:
                     times = {}
                     for stop in ("1", "2", "0"):
                         os.environ[PROBE] = stop
-                        times[stop] = time_graph(step, args.layers, args.repeats, 5)
+                        times[stop] = time_steps(step, args.layers, args.repeats, 5)
                     os.environ.pop(PROBE, None)
                     print(f"{batch:2d} {n:7d} {mode:>5} {shape:>9} {times['0']:8.1f} {times['1']:8.1f} "
                           f"{times['2'] - times['1']:8.1f} {times['0'] - times['2']:8.1f} "

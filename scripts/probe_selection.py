@@ -21,13 +21,14 @@ multiprocessor, start and end (%globaltimer) and the clock64 cycles of each phas
 the spread of every phase over the blocks, boundary and other blocks apart.
 
 --read-floor adds what any one-kernel selection costs at the least, measured in the same way (graph
-replays of one launch per layer buffer): "empty", a kernel that writes one word (the launch and
+replays of one launch per step, as bench_decode.py times them): "empty", a kernel that writes one word (the launch and
 the gap between two kernels of a graph), and "read", the best of a few Triton kernels that read
 the same key-signature bytes once and write one word per block (no scoring, no second phase).
 
 The probed runs leave the output unwritten: timing only. Inputs rotate over --layers buffers so
 that the signatures come from DRAM, as in scripts/bench_decode.py (same shapes: 32 query heads,
-8 KV heads, sink = local = 128). GB/s counts the key-signature bytes one step must read.
+8 KV heads, sink = local = 128), and each replay passes over them as often as makes at least 32
+steps (bench_decode.time_steps). GB/s counts the key-signature bytes one step must read.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
-from bench_decode import time_graph  # noqa: E402
+from bench_decode import time_steps  # noqa: E402
 import read_floor as floors  # noqa: E402
 
 
@@ -121,7 +122,7 @@ def selection_steps(batch: int, n: int, args):
 def time_selection(batch: int, n: int, args) -> tuple[float, int]:
     """Median µs of one hamming_topk call, and the key-signature bytes it reads."""
     step, nbytes = selection_steps(batch, n, args)
-    return time_graph(step, args.layers, args.repeats, 5), nbytes
+    return time_steps(step, args.layers, args.repeats, 5), nbytes
 
 
 def percentiles(values: torch.Tensor) -> str:
@@ -184,7 +185,7 @@ def print_timeline(batch: int, n: int, args) -> None:
 def read_floor(batch: int, n: int, args) -> tuple[float, float]:
     """Median µs of an empty kernel and of the best plain read of the selection's signature bytes.
 
-    Each replay runs one launch per layer buffer, as time_selection does, so both numbers carry
+    Timed as time_selection times the selection (bench_decode.time_steps), so both numbers carry
     the same per-launch gaps (scripts/read_floor.py).
     """
     if not floors.available():
@@ -193,8 +194,8 @@ def read_floor(batch: int, n: int, args) -> tuple[float, float]:
     slots = n + 128 if args.per_sequence else n
     g = torch.Generator(device="cuda").manual_seed(0)
     buffers = [[random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1)] for _ in range(args.layers)]
-    empty = floors.time_empty(time_graph, args.layers, args.repeats)
-    best = floors.time_read(buffers, time_graph, args.repeats)
+    empty = floors.time_empty(time_steps, args.layers, args.repeats)
+    best = floors.time_read(buffers, time_steps, args.repeats)
     del buffers
     return empty, best
 
