@@ -384,7 +384,8 @@ def add_speedups(results):
             best_dense[key] = min(best_dense.get(key, float("inf")), r["us"])
     for r in results:
         dense = best_dense.get((r["batch"], r["n"]))
-        r["speedup"] = dense / r["us"] if dense else None
+        # An empty launch reads nothing: a ratio to dense would say nothing about any step.
+        r["speedup"] = dense / r["us"] if dense and r["row"] != "floor-empty" else None
 
 
 def markdown(results, meta, notes) -> str:

@@ -32,13 +32,16 @@ done
 status=0
 step() { echo "== $1 ($(date -u +%H:%M:%S), $(( $(date +%s) - t0 )) s)"; }
 t0=$(date +%s)
-# The timeout for a step: its own limit, or the time left before DEADLINE if that is shorter.
-limit() {
-  local own=$1
-  [ -z "${DEADLINE:-}" ] && { echo "$own"; return; }
-  local left=$(( DEADLINE - ($(date +%s) - t0) ))
-  [ "$left" -lt "$own" ] && own=$left
-  echo "$own"
+# Sets $seconds, a step's timeout: its own limit $1, or the time left before DEADLINE if that is shorter.
+# Fails, and fails the check, when under 20 s are left (the step is then skipped).
+take_time() {
+  seconds=$1
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$(( DEADLINE - ($(date +%s) - t0) ))
+    [ "$left" -lt "$seconds" ] && seconds=$left
+  fi
+  [ "$seconds" -ge 20 ] && return 0
+  echo "skipped: ${seconds} s left before DEADLINE"; status=1; return 1
 }
 
 step build
@@ -66,8 +69,7 @@ python3 -c "import xdist" 2> /dev/null && XDIST="-n 14"
 
 run_tests() {
   step "pytest (CUDA)"
-  local seconds; seconds=$(limit "${PYTEST_SECONDS:-400}")
-  [ "$seconds" -lt 20 ] && { echo "skipped: ${seconds} s left before DEADLINE"; status=1; return; }
+  take_time "${PYTEST_SECONDS:-400}" || return
   # The whole set took 109 s with 14 workers on an H200 (2026-12-04, 1335 tests): PYTEST_SECONDS
   # (default 400) bounds it; a run that hits the bound fails the check. PYTEST_FILTER picks a subset.
   # shellcheck disable=SC2086
@@ -82,8 +84,7 @@ run_tests() {
 run_memcheck() {
   step "compute-sanitizer memcheck"
   if ! command -v compute-sanitizer > /dev/null; then echo "compute-sanitizer not found: skipped"; return; fi
-  local seconds; seconds=$(limit 150)
-  [ "$seconds" -lt 20 ] && { echo "skipped: ${seconds} s left before DEADLINE"; status=1; return; }
+  take_time 150 || return
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$seconds" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 scripts/cuda_memcheck_smoke.py > "$OUT/memcheck.log" 2>&1 || status=1
   tail -6 "$OUT/memcheck.log"
@@ -91,8 +92,7 @@ run_memcheck() {
 
 run_bench() {
   step benchmark
-  local seconds; seconds=$(limit 400)
-  [ "$seconds" -lt 20 ] && { echo "skipped: ${seconds} s left before DEADLINE"; status=1; return; }
+  take_time 400 || return
   # shellcheck disable=SC2086
   timeout "$seconds" python3 scripts/bench_decode.py --out benchmarks/results $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
   cp benchmarks/results/bench_decode_"$(date -u +%Y%m%d)".* "$OUT/" 2>/dev/null

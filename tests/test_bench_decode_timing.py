@@ -50,3 +50,11 @@ def test_long_passes_are_not_repeated():
     assert bd.replay_cycles(2, bd.LONG_REPLAY_US / 2 - 1) == 16
     with pytest.raises(ValueError, match="layers"):
         bd.replay_cycles(0, 1.0)
+
+
+def test_speedups_against_the_best_dense_row_except_for_the_empty_launch():
+    rows = [dict(batch=1, n=8, row="sdpa-cudnn", us=20.0), dict(batch=1, n=8, row="sdpa-flash", us=30.0),
+            dict(batch=1, n=8, row="ours-per-head", us=10.0), dict(batch=1, n=8, row="floor-empty", us=2.0),
+            dict(batch=8, n=8, row="ours-group", us=5.0)]  # no dense row for B = 8
+    bd.add_speedups(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 20.0 / 30.0, 2.0, None, None]
