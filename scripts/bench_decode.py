@@ -114,6 +114,19 @@ def layer_buffers(layer_bytes_all: int, smallest_step_bytes: int, l2_bytes: int)
     return max(2, min(MAX_LAYER_BUFFERS, max(in_all, between_uses)))
 
 
+def probe_buffers(requested: int | None, layer_bytes_all: int, step_bytes: int, l2_bytes: int,
+                  memory_bytes: int) -> int:
+    """Layer buffers for a probe script: `requested` if given, else layer_buffers' rule for a step
+    that reads `step_bytes` of `layer_bytes_all`, cut to what fits in `memory_bytes` (at least 2).
+    With a fixed count (the probes used 8), a step reading a few MB found its data in L2 again."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"layers must be >= 1, got {requested}")
+        return requested
+    fitting = max(2, memory_bytes // layer_bytes_all)
+    return min(layer_buffers(layer_bytes_all, step_bytes, l2_bytes), fitting)
+
+
 def replay_cycles(layers: int, us_per_step: float) -> int:
     """Passes over the `layers` buffers per replay: enough for MIN_STEPS_PER_REPLAY steps, or one
     where a single pass already takes LONG_REPLAY_US."""

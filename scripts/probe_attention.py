@@ -15,8 +15,10 @@ merge, never a cluster):
     python scripts/probe_attention.py --batches 1 --ns 32768 131072 --shapes default default/c0
 
 Each shape's output is compared with the first shape's, so a launch shape that changes the result
-is reported. Inputs rotate over --layers buffers so that K/V come from DRAM, each replay passing over
-them as often as makes at least 32 steps (bench_decode.time_steps).
+is reported. Inputs rotate over layer buffers so that K/V come from DRAM: by default as many as
+bench_decode.probe_buffers gives (each reused only after two L2s of other steps' bytes, within
+--memory-gib), or --layers; each replay passes over them as often as makes at least 32 steps
+(bench_decode.time_steps).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
-from bench_decode import time_steps  # noqa: E402
+from bench_decode import probe_buffers, time_steps  # noqa: E402
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 KNOBS = ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "HASHATTENTION_ATTENTION_MIN_ROWS")
@@ -45,7 +47,9 @@ def parse_args():
     parser.add_argument("--sparsity", type=int, default=32)
     parser.add_argument("--modes", nargs="+", default=["head", "group"], choices=("head", "group"))
     parser.add_argument("--shapes", nargs="+", default=["default", "4:128", "8:32"])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layer buffers rotated per replay (default: enough that a step's bytes have left L2)")
+    parser.add_argument("--memory-gib", type=float, default=40.0, help="cap on the default buffers' K/V bytes")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--max-positions", type=int, default=4 * 131072, help="skip B x n above this")
     return parser.parse_args()
@@ -77,7 +81,7 @@ def main() -> int:
         return 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.sparsity}x, sink {SINK}, local {LOCAL}")
     print(f"{'B':>2} {'n':>7} {'mode':>5} {'shape':>9} {'full us':>8} {'prologue':>8} {'loop':>8} {'merge':>8} "
-          f"{'GB/s':>7} {'max diff':>9}")
+          f"{'GB/s':>7} {'max diff':>9} {'buffers':>7}")
     scale = HEAD_DIM**-0.5
     for batch in args.batches:
         for n in args.ns:
@@ -85,8 +89,13 @@ def main() -> int:
                 continue
             for mode in args.modes:
                 g = torch.Generator(device="cuda").manual_seed(batch * n)
-                layers = make_layers(batch, n, mode, args.sparsity, args.layers, g)
                 rows = QUERY_HEADS if mode == "head" else KV_HEADS
+                width = min(n, max(n // args.sparsity, SINK + LOCAL))  # rows selected per head
+                buffers = probe_buffers(args.layers, 2 * batch * KV_HEADS * n * HEAD_DIM * 2,
+                                      batch * rows * width * HEAD_DIM * 2 * 2,
+                                      torch.cuda.get_device_properties(0).L2_cache_size,
+                                      int(args.memory_gib * 2**30))
+                layers = make_layers(batch, n, mode, args.sparsity, buffers, g)
                 nbytes = batch * rows * layers[0][3].shape[-1] * HEAD_DIM * 2 * 2
 
                 def step(i):
@@ -110,11 +119,11 @@ def main() -> int:
                     times = {}
                     for stop in ("1", "2", "0"):
                         os.environ[PROBE] = stop
-                        times[stop] = time_steps(step, args.layers, args.repeats, 5)
+                        times[stop] = time_steps(step, buffers, args.repeats, 5)
                     os.environ.pop(PROBE, None)
                     print(f"{batch:2d} {n:7d} {mode:>5} {shape:>9} {times['0']:8.1f} {times['1']:8.1f} "
                           f"{times['2'] - times['1']:8.1f} {times['0'] - times['2']:8.1f} "
-                          f"{nbytes / times['0'] / 1e3:7.0f} {diff:9.2e}", flush=True)
+                          f"{nbytes / times['0'] / 1e3:7.0f} {diff:9.2e} {buffers:7d}", flush=True)
                 for name in KNOBS + (CLUSTER,):
                     os.environ.pop(name, None)
                 del layers

@@ -25,10 +25,11 @@ replays of one launch per step, as bench_decode.py times them): "empty", a kerne
 the gap between two kernels of a graph), and "read", the best of a few Triton kernels that read
 the same key-signature bytes once and write one word per block (no scoring, no second phase).
 
-The probed runs leave the output unwritten: timing only. Inputs rotate over --layers buffers so
-that the signatures come from DRAM, as in scripts/bench_decode.py (same shapes: 32 query heads,
-8 KV heads, sink = local = 128), and each replay passes over them as often as makes at least 32
-steps (bench_decode.time_steps). GB/s counts the key-signature bytes one step must read.
+The probed runs leave the output unwritten: timing only. Inputs rotate over layer buffers so
+that the signatures come from DRAM: by default as many as bench_decode.probe_buffers gives (each
+reused only after two L2s of other steps' bytes), or --layers. Shapes as in scripts/bench_decode.py
+(32 query heads, 8 KV heads, sink = local = 128); each replay passes over the buffers as often as
+makes at least 32 steps (bench_decode.time_steps). GB/s counts the key-signature bytes one step must read.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hashattention as ha  # noqa: E402
-from bench_decode import time_steps  # noqa: E402
+from bench_decode import probe_buffers, time_steps  # noqa: E402
 import read_floor as floors  # noqa: E402
 
 
@@ -58,7 +59,9 @@ def parse_args():
     parser.add_argument("--ns", type=int, nargs="+", default=[32768, 131072, 524288])
     parser.add_argument("--sparsity", type=int, default=32)
     parser.add_argument("--selection", default="query_head", choices=("query_head", "kv_group"))
-    parser.add_argument("--layers", type=int, default=8, help="input buffers rotated per replay")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="input buffers rotated per replay (default: enough that a step's bytes have left L2)")
+    parser.add_argument("--memory-gib", type=float, default=40.0, help="cap on the default buffers' bytes")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--per-sequence", action="store_true",
                         help="pass lengths, start_positions and budgets as device tensors, as a patched model does "
@@ -92,14 +95,25 @@ def random_signatures(shape, generator, kind: str) -> torch.Tensor:
     return out
 
 
+def signature_buffers(batch: int, n: int, args) -> int:
+    """How many layers' key signatures to rotate over (--layers, else bench_decode.probe_buffers)."""
+    key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
+    slots = n + 128 if args.per_sequence else n
+    per_layer = batch * key_heads * slots * 4
+    return probe_buffers(args.layers, per_layer, per_layer, torch.cuda.get_device_properties(0).L2_cache_size,
+                         int(args.memory_gib * 2**30))
+
+
 def selection_steps(batch: int, n: int, args):
-    """`step(i)` running hamming_topk on layer buffer i < args.layers, as in a model."""
+    """`step(i)` running hamming_topk on layer buffer i < buffers, as in a model; the key-signature
+    bytes a step reads; the number of buffers."""
     g = torch.Generator(device="cuda").manual_seed(0)
     key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
     selection_heads = key_heads
     layers = []
     slots = n + 128 if args.per_sequence else n
-    for _ in range(args.layers):
+    buffers = signature_buffers(batch, n, args)
+    for _ in range(buffers):
         q = random_signatures((batch, QUERY_HEADS, 1, 1), g, args.signatures)
         k = random_signatures((batch, key_heads, slots, 1), g, args.signatures)
         layers.append((q, k))
@@ -116,13 +130,13 @@ def selection_steps(batch: int, n: int, args):
         return ha.hamming_topk(q, k, selection_heads=selection_heads, sink_tokens=SINK, local_tokens=LOCAL,
                                budget_tokens=budget, **per_sequence)
 
-    return step, batch * key_heads * n * 4
+    return step, batch * key_heads * n * 4, buffers
 
 
 def time_selection(batch: int, n: int, args) -> tuple[float, int]:
     """Median µs of one hamming_topk call, and the key-signature bytes it reads."""
-    step, nbytes = selection_steps(batch, n, args)
-    return time_steps(step, args.layers, args.repeats, 5), nbytes
+    step, nbytes, buffers = selection_steps(batch, n, args)
+    return time_steps(step, buffers, args.repeats, 5), nbytes
 
 
 def percentiles(values: torch.Tensor) -> str:
@@ -135,8 +149,8 @@ def percentiles(values: torch.Tensor) -> str:
 
 def print_timeline(batch: int, n: int, args) -> None:
     """One eager launch with per-block timelines (see BlockTimeline in hamming_topk_resident.cu)."""
-    step, _ = selection_steps(batch, n, args)
-    for i in range(args.layers):  # warm-up; the timed call's buffer (0) is out of L2 afterwards
+    step, _, buffers = selection_steps(batch, n, args)
+    for i in range(buffers):  # warm-up; the timed call's buffer (0) is out of L2 afterwards
         step(i)
     record = torch.zeros(1 << 20, TIMELINE_WORDS, device="cuda", dtype=torch.int32)
     torch.cuda.synchronize()
@@ -193,8 +207,9 @@ def read_floor(batch: int, n: int, args) -> tuple[float, float]:
     key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
     slots = n + 128 if args.per_sequence else n
     g = torch.Generator(device="cuda").manual_seed(0)
-    buffers = [[random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1)] for _ in range(args.layers)]
-    empty = floors.time_empty(time_steps, args.layers, args.repeats)
+    count = signature_buffers(batch, n, args)
+    buffers = [[random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1)] for _ in range(count)]
+    empty = floors.time_empty(time_steps, count, args.repeats)
     best = floors.time_read(buffers, time_steps, args.repeats)
     del buffers
     return empty, best

@@ -58,3 +58,14 @@ def test_speedups_against_the_best_dense_row_except_for_the_empty_launch():
             dict(batch=8, n=8, row="ours-group", us=5.0)]  # no dense row for B = 8
     bd.add_speedups(rows)
     assert [r["speedup"] for r in rows] == [1.0, 20.0 / 30.0, 2.0, None, None]
+
+
+def test_probe_buffers_follow_the_benchmark_rule_within_memory():
+    # probe_selection at B = 1 / 32K per head: 4 MB of signatures per layer, all of it read.
+    assert bd.probe_buffers(None, 4 * MB, 4 * MB, L2, 1 << 40) == bd.layer_buffers(4 * MB, 4 * MB, L2)
+    # probe_attention at 128K: 536 MB of K/V per layer, 8 MB read; 4 GiB allows 7 layers, not the 14 of the rule.
+    assert bd.probe_buffers(None, 536 * MB, 8 * MB, L2, 4 << 30) == 7
+    assert bd.probe_buffers(None, 536 * MB, 8 * MB, L2, 100 * MB) == 2  # never fewer than two
+    assert bd.probe_buffers(5, 536 * MB, 8 * MB, L2, 100 * MB) == 5  # an explicit --layers wins
+    with pytest.raises(ValueError, match="layers"):
+        bd.probe_buffers(0, 536 * MB, 8 * MB, L2, 1 << 40)
