@@ -35,6 +35,7 @@ makes at least 32 steps (bench_decode.time_steps). GB/s counts the key-signature
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -95,11 +96,17 @@ def random_signatures(shape, generator, kind: str) -> torch.Tensor:
     return out
 
 
-def signature_buffers(batch: int, n: int, args) -> int:
-    """How many layers' key signatures to rotate over (--layers, else bench_decode.probe_buffers)."""
+def key_signature_shape(batch: int, n: int, args) -> tuple[int, int, int, int]:
+    """(batch, key heads, slots, 1) of one layer's key signatures: one head per query head or per KV
+    head (--selection), and 128 spare slots past n with --per-sequence (a cache with room to grow)."""
     key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
     slots = n + 128 if args.per_sequence else n
-    per_layer = batch * key_heads * slots * 4
+    return batch, key_heads, slots, 1
+
+
+def signature_buffers(batch: int, n: int, args) -> int:
+    """How many layers' key signatures to rotate over (--layers, else bench_decode.probe_buffers)."""
+    per_layer = math.prod(key_signature_shape(batch, n, args)) * 4
     return probe_buffers(args.layers, per_layer, per_layer, torch.cuda.get_device_properties(0).L2_cache_size,
                          int(args.memory_gib * 2**30))
 
@@ -108,14 +115,13 @@ def selection_steps(batch: int, n: int, args):
     """`step(i)` running hamming_topk on layer buffer i < buffers, as in a model; the key-signature
     bytes a step reads; the number of buffers."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
-    selection_heads = key_heads
+    shape = key_signature_shape(batch, n, args)
+    selection_heads, slots = shape[1], shape[2]
     layers = []
-    slots = n + 128 if args.per_sequence else n
     buffers = signature_buffers(batch, n, args)
     for _ in range(buffers):
         q = random_signatures((batch, QUERY_HEADS, 1, 1), g, args.signatures)
-        k = random_signatures((batch, key_heads, slots, 1), g, args.signatures)
+        k = random_signatures(shape, g, args.signatures)
         layers.append((q, k))
     budget = max(n // args.sparsity - SINK - LOCAL, 0)
     per_sequence = {}
@@ -130,7 +136,7 @@ def selection_steps(batch: int, n: int, args):
         return ha.hamming_topk(q, k, selection_heads=selection_heads, sink_tokens=SINK, local_tokens=LOCAL,
                                budget_tokens=budget, **per_sequence)
 
-    return step, batch * key_heads * n * 4, buffers
+    return step, batch * selection_heads * n * 4, buffers
 
 
 def time_selection(batch: int, n: int, args) -> tuple[float, int]:
@@ -204,11 +210,9 @@ def read_floor(batch: int, n: int, args) -> tuple[float, float]:
     """
     if not floors.available():
         raise SystemExit("--read-floor needs Triton")
-    key_heads = QUERY_HEADS if args.selection == "query_head" else KV_HEADS
-    slots = n + 128 if args.per_sequence else n
     g = torch.Generator(device="cuda").manual_seed(0)
     count = signature_buffers(batch, n, args)
-    buffers = [[random_signatures((batch, key_heads, slots, 1), g, "uniform").view(-1)] for _ in range(count)]
+    buffers = [[random_signatures(key_signature_shape(batch, n, args), g, "uniform").view(-1)] for _ in range(count)]
     empty = floors.time_empty(time_steps, count, args.repeats)
     best = floors.time_read(buffers, time_steps, args.repeats)
     del buffers
