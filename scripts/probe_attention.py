@@ -55,9 +55,14 @@ def parse_args():
     return parser.parse_args()
 
 
+def budget_tokens(n, sparsity):
+    """Heavy tokens per list beyond the sink and local windows: n / sparsity attended in all."""
+    return max(n // sparsity - SINK - LOCAL, 0)
+
+
 def make_layers(batch, n, mode, sparsity, layers, generator):
     heads = QUERY_HEADS if mode == "head" else KV_HEADS
-    budget = max(n // sparsity - SINK - LOCAL, 0)
+    budget = budget_tokens(n, sparsity)
     out = []
     for _ in range(layers):
         q = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -90,13 +95,12 @@ def main() -> int:
             for mode in args.modes:
                 g = torch.Generator(device="cuda").manual_seed(batch * n)
                 rows = QUERY_HEADS if mode == "head" else KV_HEADS
-                width = min(n, max(n // args.sparsity, SINK + LOCAL))  # rows selected per head
-                buffers = probe_buffers(args.layers, 2 * batch * KV_HEADS * n * HEAD_DIM * 2,
-                                      batch * rows * width * HEAD_DIM * 2 * 2,
-                                      torch.cuda.get_device_properties(0).L2_cache_size,
-                                      int(args.memory_gib * 2**30))
+                width = SINK + LOCAL + budget_tokens(n, args.sparsity)  # the index lists' width
+                nbytes = batch * rows * width * HEAD_DIM * 2 * 2  # K and V of every listed row
+                buffers = probe_buffers(args.layers, 2 * batch * KV_HEADS * n * HEAD_DIM * 2, nbytes,
+                                        torch.cuda.get_device_properties(0).L2_cache_size,
+                                        int(args.memory_gib * 2**30))
                 layers = make_layers(batch, n, mode, args.sparsity, buffers, g)
-                nbytes = batch * rows * layers[0][3].shape[-1] * HEAD_DIM * 2 * 2
 
                 def step(i):
                     q, k, v, indices, counts = layers[i]
