@@ -10,9 +10,11 @@ csrc/cuda/sparse_attention.cu, and for each stopping point of the kernel
 
 A shape is BLOCKS_PER_SM:MIN_ROWS_PER_SPLIT, or "default" (the op's own choice), optionally followed
 by "/c" and the largest cluster of splits (HASHATTENTION_ATTENTION_CLUSTER; "/c0": the counters'
-merge, never a cluster):
+merge, never a cluster) and by "/m" and the counters' merge variant (HASHATTENTION_ATTENTION_MERGE;
+"/m1": the online merge under trial):
 
     python scripts/probe_attention.py --batches 1 --ns 32768 131072 --shapes default default/c0
+    python scripts/probe_attention.py --batches 1 8 --ns 32768 131072 --modes group --shapes default default/m1
 
 Each shape's output is compared with the first shape's, so a launch shape that changes the result
 is reported. Inputs rotate over layer buffers so that K/V come from DRAM: by default as many as
@@ -37,7 +39,26 @@ from bench_decode import probe_buffers, time_steps  # noqa: E402
 QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 KNOBS = ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "HASHATTENTION_ATTENTION_MIN_ROWS")
 CLUSTER = "HASHATTENTION_ATTENTION_CLUSTER"
+MERGE = "HASHATTENTION_ATTENTION_MERGE"
 PROBE = "HASHATTENTION_ATTENTION_PROBE"
+
+
+def shape_environment(shape: str) -> dict[str, str]:
+    """The timing aids that select a launch shape: "default" or "BLOCKS_PER_SM:MIN_ROWS", then
+    optionally "/cN" (largest cluster) and "/mM" (merge variant), e.g. "4:128/c0/m1"."""
+    split_shape, *options = shape.split("/")
+    environment = {}
+    if split_shape != "default":
+        values = split_shape.split(":")
+        if len(values) != 2 or not all(v.isdigit() for v in values):
+            raise ValueError(f"shape {shape!r}: expected 'default' or BLOCKS_PER_SM:MIN_ROWS before any '/'")
+        environment.update(zip(KNOBS, values))
+    for option in options:
+        name = {"c": CLUSTER, "m": MERGE}.get(option[:1])
+        if name is None or not option[1:].isdigit() or name in environment:
+            raise ValueError(f"shape {shape!r}: expected options '/cN' and '/mM', each at most once, got {option!r}")
+        environment[name] = option[1:]
+    return environment
 
 
 def parse_args():
@@ -52,7 +73,13 @@ def parse_args():
     parser.add_argument("--memory-gib", type=float, default=40.0, help="cap on the default buffers' K/V bytes")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--max-positions", type=int, default=4 * 131072, help="skip B x n above this")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for shape in args.shapes:
+        try:
+            shape_environment(shape)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
 
 
 def budget_tokens(n, sparsity):
@@ -108,14 +135,9 @@ def main() -> int:
 
                 reference = None
                 for shape in args.shapes:
-                    for name in KNOBS + (CLUSTER,):
+                    for name in KNOBS + (CLUSTER, MERGE):
                         os.environ.pop(name, None)
-                    split_shape, _, cluster = shape.partition("/c")
-                    if split_shape != "default":
-                        for name, value in zip(KNOBS, split_shape.split(":")):
-                            os.environ[name] = value
-                    if cluster:
-                        os.environ[CLUSTER] = cluster
+                    os.environ.update(shape_environment(shape))
                     out = step(0)[0].float()
                     if reference is None:
                         reference = out
