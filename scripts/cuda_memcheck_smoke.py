@@ -4,7 +4,7 @@ Covers each kernel path once or twice: the fused, cluster (2 and 4 blocks per he
 and cuBLAS encoders (alone and as a pair), sign-and-pack,
 Hamming scores, the one-launch (also in grid slices), chunked and radix-select paths of hamming_topk,
 topk_from_scores, sparse_attention with one and with several splits (merged in a cluster and
-through the counters -- two-pass and online -- from a memset or from the caller's workspace), HF and paged layouts,
+through the counters, from a memset or from the caller's workspace), HF and paged layouts,
 with counts and without. Results are compared with the
 CPU kernels so the run also fails on wrong answers. Prints OK at the end.
 """
@@ -88,14 +88,12 @@ def main():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected)), "topk_from_scores"
 
     # Both merges of the attention's splits: in a thread-block cluster (the default where the splits
-    # fit one) and through the counters (HASHATTENTION_ATTENTION_CLUSTER=0), the latter two-pass (the
-    # default) and online (HASHATTENTION_ATTENTION_MERGE=1, under trial).
-    for cluster, merge in ((None, "0"), ("0", "0"), ("0", "1")):
+    # fit one) and through the counters (HASHATTENTION_ATTENTION_CLUSTER=0).
+    for cluster in (None, "0"):
         if cluster is None:
             os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
         else:
             os.environ["HASHATTENTION_ATTENTION_CLUSTER"] = cluster
-        os.environ["HASHATTENTION_ATTENTION_MERGE"] = merge
         for dtype, head_dim, width in ((torch.bfloat16, 128, 40), (torch.float16, 64, 3000), (torch.float32, 256, 300)):
             q = torch.randn(2, 8, 2, head_dim, generator=g).to(dtype)
             k = torch.randn(2, 2, 4000, head_dim, generator=g).to(dtype)
@@ -118,7 +116,6 @@ def main():
             ref, _ = ha.sparse_attention(q, kp, vp, indices, scale=0.1, block_table=pages)
             assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"paged {dtype}"
     os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
-    os.environ.pop("HASHATTENTION_ATTENTION_MERGE", None)
 
     # The counters' merge from a caller-owned workspace (no memset; the last split of each unit
     # resets its counter, so the workspace must come back zeroed), with the cluster merge off.
@@ -129,17 +126,14 @@ def main():
         v = torch.randn(2, 2, 6000, 128, generator=g).to(torch.bfloat16)
         indices = torch.sort(torch.randperm(6000, generator=g)[:2000]).values.to(torch.int32).expand(2, 8, 1, 2000)
         workspace = torch.zeros(2 * 8 * 1, dtype=torch.int32, device="cuda")
+        for _ in range(2):
+            out, _ = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.contiguous().cuda(), scale=0.1,
+                                         workspace=workspace)
         ref, _ = ha.sparse_attention(q, k, v, indices.contiguous(), scale=0.1)
-        for merge in ("0", "1"):
-            os.environ["HASHATTENTION_ATTENTION_MERGE"] = merge
-            for _ in range(2):
-                out, _ = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.contiguous().cuda(), scale=0.1,
-                                             workspace=workspace)
-            assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"workspace, merge {merge}"
-            assert int(workspace.abs().sum()) == 0, f"the workspace came back non-zero (merge {merge})"
+        assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), "attention with workspace"
+        assert int(workspace.abs().sum()) == 0, "the workspace came back non-zero"
     finally:
         os.environ.pop("HASHATTENTION_ATTENTION_CLUSTER", None)
-        os.environ.pop("HASHATTENTION_ATTENTION_MERGE", None)
     torch.cuda.synchronize()
     print("OK")
 

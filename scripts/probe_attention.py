@@ -10,11 +10,9 @@ csrc/cuda/sparse_attention.cu, and for each stopping point of the kernel
 
 A shape is BLOCKS_PER_SM:MIN_ROWS_PER_SPLIT, or "default" (the op's own choice), optionally followed
 by "/c" and the largest cluster of splits (HASHATTENTION_ATTENTION_CLUSTER; "/c0": the counters'
-merge, never a cluster) and by "/m" and the counters' merge variant (HASHATTENTION_ATTENTION_MERGE;
-"/m1": the online merge under trial):
+merge, never a cluster):
 
     python scripts/probe_attention.py --batches 1 --ns 32768 131072 --shapes default default/c0
-    python scripts/probe_attention.py --batches 1 8 --ns 32768 131072 --modes group --shapes default default/m1
 
 Each shape's output is compared with the first shape's, so a launch shape that changes the result
 is reported. Inputs rotate over layer buffers so that K/V come from DRAM: by default as many as
@@ -39,13 +37,12 @@ from bench_decode import probe_buffers, time_steps  # noqa: E402
 QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 KNOBS = ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "HASHATTENTION_ATTENTION_MIN_ROWS")
 CLUSTER = "HASHATTENTION_ATTENTION_CLUSTER"
-MERGE = "HASHATTENTION_ATTENTION_MERGE"
 PROBE = "HASHATTENTION_ATTENTION_PROBE"
 
 
 def shape_environment(shape: str) -> dict[str, str]:
     """The timing aids that select a launch shape: "default" or "BLOCKS_PER_SM:MIN_ROWS", then
-    optionally "/cN" (largest cluster) and "/mM" (merge variant), e.g. "4:128/c0/m1"."""
+    optionally "/cN" (the largest cluster), e.g. "4:128/c0"."""
     split_shape, *options = shape.split("/")
     environment = {}
     if split_shape != "default":
@@ -54,10 +51,9 @@ def shape_environment(shape: str) -> dict[str, str]:
             raise ValueError(f"shape {shape!r}: expected 'default' or BLOCKS_PER_SM:MIN_ROWS before any '/'")
         environment.update(zip(KNOBS, values))
     for option in options:
-        name = {"c": CLUSTER, "m": MERGE}.get(option[:1])
-        if name is None or not option[1:].isdigit() or name in environment:
-            raise ValueError(f"shape {shape!r}: expected options '/cN' and '/mM', each at most once, got {option!r}")
-        environment[name] = option[1:]
+        if option[:1] != "c" or not option[1:].isdigit() or CLUSTER in environment:
+            raise ValueError(f"shape {shape!r}: expected at most one option '/cN', got {option!r}")
+        environment[CLUSTER] = option[1:]
     return environment
 
 
@@ -135,7 +131,7 @@ def main() -> int:
 
                 reference = None
                 for shape in args.shapes:
-                    for name in KNOBS + (CLUSTER, MERGE):
+                    for name in KNOBS + (CLUSTER,):
                         os.environ.pop(name, None)
                     os.environ.update(shape_environment(shape))
                     out = step(0)[0].float()

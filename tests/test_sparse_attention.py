@@ -152,23 +152,6 @@ def test_lse_merges_two_halves_into_the_whole(device):
 cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a CUDA build and a GPU")
 
 
-def split_merge_case(case, dtype, head_dim, query_heads, kv_heads, group_shared):
-    """Inputs (on the GPU), scale and reference output for the split and merge tests: lists of 1531
-    entries over 5000 keys, B = 2, 2 query rows, the last list empty."""
-    g = generator_for(*case)
-    batch, rows, keys, width = 2, 2, 5000, 1531
-    selection_heads = kv_heads if group_shared else query_heads
-    q = torch.randn(batch, query_heads, rows, head_dim, generator=g).to(dtype)
-    k = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
-    indices, counts = random_index_lists(batch, selection_heads, rows, width, keys, g)
-    counts[-1, -1, -1] = 0  # an empty list
-    indices[-1, -1, -1] = -1
-    scale = head_dim**-0.5
-    expected = reference.sparse_attention(q, k, v, indices, counts, scale=scale)
-    return [t.cuda() for t in (q, k, v, indices, counts)], scale, expected
-
-
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -188,36 +171,19 @@ def test_launch_shapes_give_the_reference(monkeypatch, dtype, head_dim, query_he
     if cluster is not None:
         monkeypatch.setenv("HASHATTENTION_ATTENTION_CLUSTER", cluster)
     case = ("attn-launch", dtype, head_dim, query_heads, kv_heads, group_shared, blocks_per_sm, min_rows, cluster)
-    inputs, scale, expected = split_merge_case(case, dtype, head_dim, query_heads, kv_heads, group_shared)
-    got = ha.sparse_attention(*inputs, scale=scale)
+    g = generator_for(*case)
+    batch, rows, keys, width = 2, 2, 5000, 1531
+    selection_heads = kv_heads if group_shared else query_heads
+    q = torch.randn(batch, query_heads, rows, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(dtype)
+    indices, counts = random_index_lists(batch, selection_heads, rows, width, keys, g)
+    counts[-1, -1, -1] = 0  # an empty list
+    indices[-1, -1, -1] = -1
+    scale = head_dim**-0.5
+    expected = reference.sparse_attention(q, k, v, indices, counts, scale=scale)
+    got = ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), counts.cuda(), scale=scale)
     check_attention(got, expected, dtype, repr(case))
-
-
-@cuda_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("query_heads,kv_heads,group_shared", [(8, 2, False), (8, 2, True), (6, 2, True), (12, 2, True)])
-@pytest.mark.parametrize("blocks_per_sm,min_rows", [(None, None), ("16", "1"), ("64", "1")])
-def test_online_merge_matches_the_reference_and_the_two_pass_merge(monkeypatch, dtype, head_dim, query_heads,
-                                                                   kv_heads, group_shared, blocks_per_sm, min_rows):
-    """The counters' merge under trial (HASHATTENTION_ATTENTION_MERGE=1) gives the reference and,
-    to float32 rounding, the default two-pass merge: 1-8 threads per column quad (one head of
-    D = 64 up to 4 heads of D = 256, and 3 heads, which leave lanes idle), up to 256 splits (many
-    batches of loads per thread), and an empty list (every split empty: lse -inf, zero output)."""
-    monkeypatch.setenv("HASHATTENTION_ATTENTION_CLUSTER", "0")
-    if blocks_per_sm is not None:
-        monkeypatch.setenv("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", blocks_per_sm)
-        monkeypatch.setenv("HASHATTENTION_ATTENTION_MIN_ROWS", min_rows)
-    case = ("attn-online-merge", dtype, head_dim, query_heads, kv_heads, group_shared, blocks_per_sm, min_rows)
-    inputs, scale, expected = split_merge_case(case, dtype, head_dim, query_heads, kv_heads, group_shared)
-    monkeypatch.setenv("HASHATTENTION_ATTENTION_MERGE", "1")
-    online = ha.sparse_attention(*inputs, scale=scale)
-    monkeypatch.setenv("HASHATTENTION_ATTENTION_MERGE", "0")
-    two_pass = ha.sparse_attention(*inputs, scale=scale)
-    check_attention(online, expected, dtype, repr(case))
-    torch.testing.assert_close(online[0].float(), two_pass[0].float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32
-                               else 1e-2)
-    torch.testing.assert_close(online[1], two_pass[1], atol=1e-5, rtol=1e-5)
 
 
 @cuda_only
@@ -226,7 +192,6 @@ def test_online_merge_matches_the_reference_and_the_two_pass_merge(monkeypatch, 
     ("HASHATTENTION_ATTENTION_MIN_ROWS", "many"),
     ("HASHATTENTION_ATTENTION_PROBE", "3"),
     ("HASHATTENTION_ATTENTION_CLUSTER", "17"),
-    ("HASHATTENTION_ATTENTION_MERGE", "2"),
 ])
 def test_bad_timing_aid_values_are_named(monkeypatch, variable, value):
     """The attention's timing aids reject what they cannot mean, naming the variable."""
@@ -241,16 +206,13 @@ def test_bad_timing_aid_values_are_named(monkeypatch, variable, value):
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("query_heads,kv_heads,group_shared", [(8, 2, False), (8, 2, True)])
-@pytest.mark.parametrize("merge", ["0", "1"])
-def test_workspace_counters_are_reused_and_left_zero(monkeypatch, dtype, query_heads, kv_heads, group_shared, merge):
+def test_workspace_counters_are_reused_and_left_zero(monkeypatch, dtype, query_heads, kv_heads, group_shared):
     """With a caller's zeroed workspace the split counters are not cleared by a memset: each unit's
     last split resets its counter. Repeated calls (and CUDA-graph replays with new inputs) through
     one workspace must keep giving the reference, and leave the workspace zero -- a counter left
     behind would make a later call merge before all its splits are done. The counters' merge is
-    forced (no clusters) with many small splits, on a workspace larger than needed; merge "1" is the
-    online merge under trial."""
+    forced (no clusters) with many small splits, on a workspace larger than needed."""
     monkeypatch.setenv("HASHATTENTION_ATTENTION_CLUSTER", "0")
-    monkeypatch.setenv("HASHATTENTION_ATTENTION_MERGE", merge)
     monkeypatch.setenv("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "16")
     monkeypatch.setenv("HASHATTENTION_ATTENTION_MIN_ROWS", "1")
     g = generator_for("attn-workspace", dtype, query_heads, kv_heads, group_shared)

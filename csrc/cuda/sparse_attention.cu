@@ -45,9 +45,7 @@ bool aligned_16(const at::Tensor& t, int64_t element_size, std::initializer_list
 // HASHATTENTION_ATTENTION_BLOCKS_PER_SM (target blocks per multiprocessor, 4),
 // HASHATTENTION_ATTENTION_MIN_ROWS (rows per split at least; kMinRowsPerSplit or
 // kMinRowsPerSplitPipelined) and HASHATTENTION_ATTENTION_PROBE (1: the kernel returns after its
-// prologue, 2: after its main loop, leaving the output unwritten), and HASHATTENTION_ATTENTION_MERGE
-// (1: the counters' merge by the online merge under trial, merge_unit_splits; 0, the default: the
-// two-pass merge), so that one build times both.
+// prologue, 2: after its main loop, leaving the output unwritten).
 int64_t timing_aid(const char* name, int64_t fallback, int64_t lowest, int64_t highest) {
   const char* value = std::getenv(name);
   if (value == nullptr || *value == '\0') return fallback;
@@ -234,7 +232,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   p.rows_per_split = static_cast<int>(rows_per_split);
   p.cluster_merge = cluster_merge ? 1 : 0;
   p.probe_stop = static_cast<int>(timing_aid("HASHATTENTION_ATTENTION_PROBE", 0, 0, 2));
-  p.online_merge = static_cast<int>(timing_aid("HASHATTENTION_ATTENTION_MERGE", 0, 0, 1));
   TORCH_CHECK(units <= std::numeric_limits<int32_t>::max(), "sparse_attention: too many (batch, row, head) units");
 
   // The counters' merge: a zeroed counter per unit. The caller's workspace is zero already (each

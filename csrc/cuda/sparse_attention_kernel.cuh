@@ -46,8 +46,8 @@ namespace cuda {
 
 constexpr int kAttentionThreads = 128;
 constexpr int kAttentionWarps = kAttentionThreads / 32;
-// Splits of one list: the two-pass merge keeps one weight per (split, head) in the warp-state
-// buffer, which holds kAttentionWarps * (D + 2) floats per head, at least 4 * 66 = 264.
+// Splits of one list: the merge keeps one weight per (split, head) in the warp-state buffer,
+// which holds kAttentionWarps * (D + 2) floats per head, at least 4 * 66 = 264.
 constexpr int kMaxSplits = 256;
 constexpr int kMaxClusterSplits = 16;  // the largest (non-portable) cluster of sm_90
 constexpr int kMinRowsPerSplit = 128;           // plain loop: at least one 32-entry tile per warp
@@ -81,7 +81,6 @@ struct AttentionParams {
   float* partial_max_sum;  // (units, splits, kMaxHeads, 2): running max (base 2) and sum
   int* counters;           // (units,), zero on entry and on exit; unused when cluster_merge
   int cluster_merge;       // 1: the splits of a unit are one cluster (grid.y == cluster size == splits)
-  int online_merge;        // timing aid, under trial: the counters' merge by merge_unit_splits
   int probe_stop;          // timing aid (scripts/probe_attention.py): 1 after the prologue, 2 after the main loop
 };
 
@@ -239,94 +238,6 @@ __device__ __forceinline__ void merge_cluster_splits(float (&state)[kMaxHeads][D
 #else
   __trap();  // the host launches clusters on sm_90 and later only
 #endif
-}
-
-// Folds the state (m2, s2, t2) into (m, s, t): log-sum-exp with maxima in base 2, where an empty
-// state has max -inf, sum 0 and zero columns.
-__device__ __forceinline__ void fold_split_state(float& m, float& s, float4& t, float m2, float s2, float4 t2) {
-  const float top = fmaxf(m, m2);
-  if (top == -INFINITY) return;
-  const float w = safe_exp2_diff(m, top), w2 = safe_exp2_diff(m2, top);
-  s = s * w + s2 * w2;
-  t = make_float4(fmaf(t.x, w, t2.x * w2), fmaf(t.y, w, t2.y * w2), fmaf(t.z, w, t2.z * w2), fmaf(t.w, w, t2.w * w2));
-  m = top;
-}
-
-// The counters' merge under trial (HASHATTENTION_ATTENTION_MERGE=1; the default is the two-pass merge
-// at the end of the kernel), run by the last split of a unit to finish: combines the unit's partial
-// states (p.partial_acc, p.partial_max_sum; read through L2, the other splits wrote them) by
-// log-sum-exp and writes out and lse of its `heads` heads, whose first output row is `first_row`
-// (rows of consecutive heads are p.rows apart). It is bound by L2 latency, not bytes (B = 1
-// group-shared at 128K on an H200: 49 splits x 4 heads x 128 columns, 100 KB), so every thread
-// keeps kBatch splits' loads in flight and folds them online (no separate pass for the weights),
-// and where the block has more threads than column quads, the 2-8 adjacent lanes that share a
-// quad take every lanes-th split and fold their states by shuffles. The fold order depends only
-// on the split count, so the result does not depend on which split finished last.
-template <typename T, int D, int kMaxHeads>
-__device__ __forceinline__ void merge_unit_splits(const AttentionParams& p, int64_t unit, int heads, T* out,
-                                                  int64_t first_row) {
-  constexpr int kBatch = kMaxHeads == 1 ? 8 : 16;  // one head: 96 registers at most (kMinBlocks)
-  const int quads = heads * (D / 4);
-  int lanes = 1;  // threads per column quad: a power of two that divides a warp
-  while (lanes < 8 && quads * lanes * 2 <= kAttentionThreads) lanes *= 2;
-  const int part = threadIdx.x & (lanes - 1);
-  const float* unit_acc = p.partial_acc + unit * p.splits * kMaxHeads * D;
-  const float* unit_max_sum = p.partial_max_sum + unit * p.splits * kMaxHeads * 2;
-  // Every thread runs the same number of rounds, so the shuffles below see whole warps.
-  for (int first_quad = 0; first_quad < quads; first_quad += kAttentionThreads / lanes) {
-    const int quad = first_quad + threadIdx.x / lanes;
-    const bool active = quad < quads;
-    const int h = active ? quad / (D / 4) : 0, d4 = quad % (D / 4);
-    float m = -INFINITY, sum = 0.0f;
-    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int first = active ? part : p.splits; first < p.splits; first += lanes * kBatch) {
-      float split_max[kBatch], split_sum[kBatch];
-      float4 acc[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {  // every load of the batch before any use
-        const int sp = first + k * lanes;
-        const bool valid = sp < p.splits;
-        const int64_t state = int64_t(valid ? sp : 0) * kMaxHeads + h;
-        split_max[k] = valid ? __ldcg(unit_max_sum + state * 2) : -INFINITY;
-        split_sum[k] = valid ? __ldcg(unit_max_sum + state * 2 + 1) : 0.0f;
-        acc[k] = valid ? __ldcg(reinterpret_cast<const float4*>(unit_acc + state * D) + d4)
-                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-      float top = m;
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) top = fmaxf(top, split_max[k]);
-      if (top == -INFINITY) continue;  // nothing attended yet
-      const float keep = safe_exp2_diff(m, top);
-      sum *= keep;
-      total = make_float4(total.x * keep, total.y * keep, total.z * keep, total.w * keep);
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const float w = safe_exp2_diff(split_max[k], top);
-        sum = fmaf(split_sum[k], w, sum);
-        total = make_float4(fmaf(acc[k].x, w, total.x), fmaf(acc[k].y, w, total.y), fmaf(acc[k].z, w, total.z),
-                            fmaf(acc[k].w, w, total.w));
-      }
-      m = top;
-    }
-    for (int offset = 1; offset < lanes; offset <<= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
-      const float s2 = __shfl_xor_sync(0xffffffffu, sum, offset);
-      const float4 t2 = make_float4(__shfl_xor_sync(0xffffffffu, total.x, offset),
-                                    __shfl_xor_sync(0xffffffffu, total.y, offset),
-                                    __shfl_xor_sync(0xffffffffu, total.z, offset),
-                                    __shfl_xor_sync(0xffffffffu, total.w, offset));
-      fold_split_state(m, sum, total, m2, s2, t2);
-    }
-    if (!active || part != 0) continue;
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int64_t row = first_row + h * p.rows;
-    T* o = out + row * D + d4 * 4;
-    o[0] = static_cast<T>(total.x * inv);
-    o[1] = static_cast<T>(total.y * inv);
-    o[2] = static_cast<T>(total.z * inv);
-    o[3] = static_cast<T>(total.w * inv);
-    if (d4 == 0) p.lse[row] = sum > 0.0f ? (m + log2f(sum)) * 0.69314718055994531f : -INFINITY;
-  }
 }
 
 // Resident blocks per multiprocessor the compiler must allow (__launch_bounds__): one head per
@@ -625,26 +536,6 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
   if (p.cluster_merge) {
     merge_cluster_splits<T, D, kMaxHeads>(split_state, &warp_state[0][0][0], p.splits, heads, out,
                                           (b * p.query_heads + first_head) * p.rows + l, p.rows, p.lse);
-    return;
-  }
-
-  if (p.online_merge) {
-    // Under trial (HASHATTENTION_ATTENTION_MERGE=1): every thread's state writes are ordered
-    // before thread 0's by the barrier, and thread 0's fence then publishes them all before its
-    // count (the cooperative-groups grid barrier's pattern), so one thread per block waits on a
-    // GPU-scope fence; the last split merges online (merge_unit_splits).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      is_last_block = atomicAdd(&p.counters[unit], 1) == p.splits - 1;
-      if (is_last_block) {
-        p.counters[unit] = 0;  // left zero for the next launch, as below
-        __threadfence();       // acquire: the other splits' states, read through L2 (__ldcg)
-      }
-    }
-    __syncthreads();
-    if (!is_last_block) return;
-    merge_unit_splits<T, D, kMaxHeads>(p, unit, heads, out, (b * p.query_heads + first_head) * p.rows + l);
     return;
   }
 
