@@ -1,0 +1,1 @@
+"""Tools for kernel developers: GPU check, memcheck cases, provenance, profiling (run as ``python -m tools.<name>``)."""
