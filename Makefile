@@ -34,10 +34,10 @@ test: build
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 demo: build
-	$(PY) scripts/demo.py
+	$(PY) examples/demo.py
 
 bench-cpu: build
-	$(PY) scripts/bench_ops_cpu.py
+	$(PY) -m benchmarks.ops_cpu
 
 clean:
 	rm -rf build hashattention/_C*.so *.egg-info
