@@ -10,7 +10,7 @@ graph runs the step on R layers' worth of buffers in turn, as many times over as
 steps. R is chosen so that the buffers hold 8 L2s in all and every buffer is touched again only
 after two L2s' worth of the other buffers' bytes even for the step that reads least (the group
 selection's signatures), so no row reads from L2 what a model would read from DRAM; see
-``layer_buffers`` and ``replay_cycles``):
+``benchmarks.common.layer_buffers`` and ``replay_cycles``):
 
 * ``sdpa-flash`` / ``sdpa-cudnn``: F.scaled_dot_product_attention(enable_gqa=True) over the
   whole cache with that backend; its output is first checked against a float32 reference
@@ -28,51 +28,47 @@ selection's signatures), so no row reads from L2 what a model would read from DR
 * ``floor-read-<mode>``, ``floor-read-select-<mode>``, ``floor-read-attend-<mode>`` and
   ``floor-empty`` (needs Triton): one kernel that only reads the same bytes as the whole step, the
   selection or the attention, contiguously, and one that writes a single word -- what any kernel
-  reading those bytes costs at the least in the same graph setting (scripts/read_floor.py).
-
-The results file then checks the issue's targets (B = 1, 32x) against the run and says for each
-miss what bounds it, from these rows (scripts/decode_targets.py).
+  reading those bytes costs at the least in the same graph setting (``benchmarks.read_floor``).
 
 Our attention calls pass a zeroed ``workspace`` allocated once (as the HF static cache does), so
 where the kernel merges its splits through counters no memset precedes it.
 
 Columns: microseconds; GB/s over the bytes the step must read (dense: all K/V; ours: the key
 signatures plus the selected K/V rows, per head); % of the byte floor, i.e. bytes / copy
-bandwidth measured in the same run over the measured time; speedup over the best dense row.
+bandwidth measured in the same run over the measured time; speedup over the best dense row of
+the same run. The results go to ``benchmarks/results/decode_attention_<gpu>.{md,json,png}`` (the
+plot: speedup over dense against the context length, per mode), replacing an earlier run's.
 
-    python scripts/bench_decode.py --out benchmarks/results       # the full table (H200: ~2 min)
-    python scripts/bench_decode.py --ns 8192 --batches 1 --repeats 20   # a quick look
+    python -m benchmarks.decode_attention                              # the full table (H200: ~2 min)
+    python -m benchmarks.decode_attention --ns 8192 --batches 1 --repeats 20 --out /tmp/quick
+    python -m benchmarks.decode_attention --render benchmarks/results/decode_attention_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
-import platform
-import statistics
-import sys
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode_targets  # noqa: E402
-import hashattention as ha  # noqa: E402
-import provenance  # noqa: E402
-import read_floor as floors  # noqa: E402
+import hashattention as ha
+from benchmarks import common
+from benchmarks import read_floor as floors
+from benchmarks.common import layer_buffers, time_graph, time_steps
 
+BENCHMARK = "decode_attention"
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK, LOCAL = 128, 128
 DTYPE = torch.bfloat16
 GROUP = QUERY_HEADS // KV_HEADS
+MODES = ("per-head", "group")
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ns", type=int, nargs="+", default=[8192, 32768, 131072, 524288])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -80,96 +76,15 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=60, help="timed graph replays (median taken)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--memory-gib", type=float, default=100.0, help="skip configs needing more than this")
-    parser.add_argument("--out", default=None, help="directory for bench_decode_<date>.{md,json}")
-    return parser.parse_args()
+    parser.add_argument("--out", default=None,
+                        help="folder of decode_attention_<gpu>.{md,json,png} (default: benchmarks/results)")
+    parser.add_argument("--render", metavar="JSON", default=None,
+                        help="no measurement: rewrite the Markdown table and the plot of this results file "
+                             "(beside it; no GPU needed)")
+    return parser.parse_args(argv)
 
 
 # ---- measurement helpers ------------------------------------------------------------------------
-
-# A replay runs at least this many steps: the layers of one Llama-3.1-8B decode step. A graph
-# replay has a fixed cost (~10 µs on an H100, session 46: an empty kernel took 1.4 µs per step with
-# 8 steps per replay and 5.1 µs with 2), which a model pays once per 32 layers; dividing it over
-# fewer steps charged every row a few µs a model never pays.
-MIN_STEPS_PER_REPLAY = 32
-# A replay of R steps that already takes this long keeps one pass over the buffers: the fixed cost is
-# then under 1% of it, and 32 steps of the slowest rows (the naive pipeline at B = 8) would take minutes.
-LONG_REPLAY_US = 2000.0
-# Between two uses of one buffer, the other buffers' bytes of the step that reads least pass through
-# L2 at least this many times over (so its data has left L2), and all the buffers hold 8 L2s.
-L2_PASSES_BETWEEN_USES = 2
-L2_MULTIPLE_IN_ALL = 8
-MAX_LAYER_BUFFERS = 512
-
-
-def layer_buffers(layer_bytes_all: int, smallest_step_bytes: int, l2_bytes: int) -> int:
-    """How many layers' buffers to rotate over (at least 2, at most MAX_LAYER_BUFFERS).
-
-    layer_bytes_all: every byte of one layer's inputs; smallest_step_bytes: what the row that
-    reads least reads per step.
-    """
-    if layer_bytes_all <= 0 or smallest_step_bytes <= 0 or l2_bytes <= 0:
-        raise ValueError("byte counts must be positive")
-    in_all = math.ceil(L2_MULTIPLE_IN_ALL * l2_bytes / layer_bytes_all)
-    between_uses = 1 + math.ceil(L2_PASSES_BETWEEN_USES * l2_bytes / smallest_step_bytes)
-    return max(2, min(MAX_LAYER_BUFFERS, max(in_all, between_uses)))
-
-
-def probe_buffers(requested: int | None, layer_bytes_all: int, step_bytes: int, l2_bytes: int,
-                  memory_bytes: int) -> int:
-    """Layer buffers for a probe script: `requested` if given, else layer_buffers' rule for a step
-    that reads `step_bytes` of `layer_bytes_all`, cut to what fits in `memory_bytes` (at least 2).
-    With a fixed count (the probes used 8), a step reading a few MB found its data in L2 again."""
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"layers must be >= 1, got {requested}")
-        return requested
-    fitting = max(2, memory_bytes // layer_bytes_all)
-    return min(layer_buffers(layer_bytes_all, step_bytes, l2_bytes), fitting)
-
-
-def replay_cycles(layers: int, us_per_step: float) -> int:
-    """Passes over the `layers` buffers per replay: enough for MIN_STEPS_PER_REPLAY steps, or one
-    where a single pass already takes LONG_REPLAY_US."""
-    if layers < 1:
-        raise ValueError(f"layers must be >= 1, got {layers}")
-    if us_per_step * layers >= LONG_REPLAY_US:
-        return 1
-    return max(1, math.ceil(MIN_STEPS_PER_REPLAY / layers))
-
-
-def time_graph(step, layers: int, repeats: int, warmup: int, cycles: int = 1) -> float:
-    """Median microseconds of one step, from replays of a graph running `step(i)` for i < layers,
-    `cycles` times over (the time is divided by layers * cycles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(layers):
-            step(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(cycles):
-            for i in range(layers):
-                step(i)
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / (layers * cycles))
-    del graph
-    return statistics.median(times)
-
-
-def time_steps(step, layers: int, repeats: int, warmup: int) -> float:
-    """time_graph with the passes per replay of replay_cycles, from a short first estimate."""
-    estimate = time_graph(step, layers, 3, 1)
-    return time_graph(step, layers, repeats, warmup, replay_cycles(layers, estimate))
-
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
@@ -364,7 +279,7 @@ def run_config(batch, n, sparsities, args, bandwidth, results, notes):
             record(row, f"{sparsity}x", us, nbytes, dict(layers=layers))
 
         if floors.available():
-            # What any kernel reading the same bytes costs at the least (scripts/read_floor.py): the
+            # What any kernel reading the same bytes costs at the least (benchmarks.read_floor): the
             # signatures, the attended rows' bytes (a contiguous prefix of the K cache, never slower
             # to read than the scattered rows) and both in one launch.
             for mode, signatures, sig_bytes, row_bytes in (
@@ -389,63 +304,156 @@ def run_config(batch, n, sparsities, args, bandwidth, results, notes):
     torch.cuda.empty_cache()
 
 
-def add_speedups(results):
-    best_dense = {}
+def add_speedups(results: List[dict]) -> None:
+    """Sets each row's ``speedup``: the best dense (sdpa-*) row of its (batch, n) over its time
+    (None where the run has no dense row, and for the empty launch, which reads nothing)."""
+    best_dense: Dict[tuple, float] = {}
     for r in results:
         if r["row"].startswith("sdpa"):
             key = (r["batch"], r["n"])
             best_dense[key] = min(best_dense.get(key, float("inf")), r["us"])
     for r in results:
         dense = best_dense.get((r["batch"], r["n"]))
-        # An empty launch reads nothing: a ratio to dense would say nothing about any step.
         r["speedup"] = dense / r["us"] if dense and r["row"] != "floor-empty" else None
 
 
-def markdown(results, meta, notes) -> str:
-    def fmt_n(n):
-        return f"{n // 1024}K"
+def human_n(n: int) -> str:
+    return f"{n // 1024}K"
 
-    lines = [f"# Decode attention, one Llama-3.1-8B layer ({meta['gpu']})", ""]
-    lines += [f"- date: {meta['date']}", f"- GPU: {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}",
-              f"- command: `{meta['command']}`",
-              f"- code: {provenance.label(meta['code'])}" if "code" in meta else "- code: not recorded",
-              f"- copy bandwidth (read + write) measured in this run: {meta['copy_bandwidth_gbps']:.0f} GB/s"]
-    if "replay" in meta:
-        replay = meta["replay"]
-        lines.append(f"- timing: graph replays of >= {replay['min_steps']} steps (one pass over the layer buffers where "
-                     f"it takes >= {replay['long_replay_us']:.0f} µs), buffers rotated so that each is reused only after "
-                     f"{replay['l2_passes_between_uses']} L2s of other bytes of the least-reading step")
+
+def find_row(results: List[dict], batch: int, n: int, sparsity: str, row: str) -> Optional[dict]:
+    return next((r for r in results if (r["batch"], r["n"], r["sparsity"], r["row"]) == (batch, n, sparsity, row)),
+                None)
+
+
+def headline_lines(results: List[dict], batch: int, sparsity: str) -> List[str]:
+    """Speedup over the best dense row, and the time against the read floor, at one (B, sparsity)."""
+    ns = sorted({r["n"] for r in results if r["batch"] == batch and r["sparsity"] == sparsity})
+    if not ns:
+        return []
+
+    def us(n, row, sparse=True):
+        r = find_row(results, batch, n, sparsity if sparse else "-", row)
+        return None if r is None else r["us"]
+
+    def cell(value, spec=".1f", suffix=""):
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
+    lines = [f"## B = {batch}, {sparsity}: speedup over the best dense SDPA row", "",
+             "| n | best dense µs | ours per-head µs | speedup | ours group µs | speedup | select per-head µs "
+             "| attend per-head µs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n in ns:
+        dense = min((r["us"] for r in results if r["batch"] == batch and r["n"] == n and r["row"].startswith("sdpa")),
+                    default=None)
+        head, group = us(n, "ours-per-head"), us(n, "ours-group")
+        lines.append(f"| {human_n(n)} | {cell(dense)} | {cell(head)} | "
+                     f"{cell(dense / head if dense and head else None, '.2f', 'x')} | {cell(group)} | "
+                     f"{cell(dense / group if dense and group else None, '.2f', 'x')} | "
+                     f"{cell(us(n, 'select-per-head'))} | {cell(us(n, 'attend-per-head'))} |")
+    floored = [(n, mode) for n in ns for mode in MODES if us(n, f"floor-read-{mode}") is not None]
+    if floored:
+        empty = {n: us(n, "floor-empty", sparse=False) for n in ns}
+        lines += ["", f"## B = {batch}, {sparsity}: against the read floor", "",
+                  "The floor of a row is one kernel that reads the same bytes once, contiguously, timed the same way "
+                  "(`benchmarks.read_floor`); an empty launch shows what any kernel costs in this setting.", "",
+                  "| n | mode | ours µs | floor µs | x floor | select µs | its floor | attend µs | its floor "
+                  "| empty launch µs |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for n, mode in floored:
+            ours, floor = us(n, f"ours-{mode}"), us(n, f"floor-read-{mode}")
+            lines.append(f"| {human_n(n)} | {mode} | {cell(ours)} | {cell(floor)} | "
+                         f"{cell(ours / floor if ours and floor else None, '.2f', 'x')} | "
+                         f"{cell(us(n, f'select-{mode}'))} | {cell(us(n, f'floor-read-select-{mode}'))} | "
+                         f"{cell(us(n, f'attend-{mode}'))} | {cell(us(n, f'floor-read-attend-{mode}'))} | "
+                         f"{cell(empty[n])} |")
+    return lines + [""]
+
+
+def markdown(record: dict) -> str:
+    """The results file's Markdown: header, headline tables (B = 1, 32x), then every row."""
+    meta, results, notes = record["meta"], record["results"], record.get("notes", [])
+    lines = [f"# Decode attention, one Llama-3.1-8B layer ({meta['device']})", "", *common.header_lines(meta),
+             f"- copy bandwidth (read + write) measured in this run: {meta['copy_bandwidth_gbps']:.0f} GB/s"]
+    replay = meta.get("replay")
+    if replay:
+        lines.append(f"- timing: graph replays of >= {replay['min_steps']} steps (one pass over the layer buffers "
+                     f"where it takes >= {replay['long_replay_us']:.0f} µs), buffers rotated so that each is reused "
+                     f"only after {replay['l2_passes_between_uses']} L2s of other bytes of the least-reading step")
+    lines.append("- plot: the `.png` file of the same name (speedup over the best dense row against the context "
+                 "length)")
     lines.append("")
-    headline = [r for r in results if r["batch"] == 1 and r["sparsity"] in ("-", "32x")]
-    if headline:
-        lines += ["## Headline: B = 1, 32x (speedup over the best dense SDPA row)", "",
-                  "| n | best dense µs | ours per-head µs | speedup | ours group µs | speedup | select per-head µs |",
-                  "|---|---|---|---|---|---|---|"]
-        for n in sorted({r["n"] for r in headline}):
-            by_row = {r["row"]: r for r in headline if r["n"] == n}
-            dense = min((r["us"] for k, r in by_row.items() if k.startswith("sdpa")), default=float("nan"))
-
-            def cell(row, field="us"):
-                r = by_row.get(row)
-                return "-" if r is None else (f"{r[field]:.1f}" if field == "us" else f"{r[field]:.2f}x")
-            lines.append(f"| {fmt_n(n)} | {dense:.1f} | {cell('ours-per-head')} | {cell('ours-per-head', 'speedup')} | "
-                         f"{cell('ours-group')} | {cell('ours-group', 'speedup')} | {cell('select-per-head')} |")
-        lines.append("")
-    lines += decode_targets.markdown(results)
+    lines += headline_lines(results, 1, "32x")
     lines += ["## All rows", "", "| B | n | sparsity | row | µs | GB/s | % of byte floor | speedup vs best dense |",
               "|---|---|---|---|---|---|---|---|"]
     for r in results:
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        lines.append(f"| {r['batch']} | {fmt_n(r['n'])} | {r['sparsity']} | {r['row']} | {r['us']:.1f} | "
+        lines.append(f"| {r['batch']} | {human_n(r['n'])} | {r['sparsity']} | {r['row']} | {r['us']:.1f} | "
                      f"{r['gbps']:.0f} | {r['floor_pct']:.1f} | {speedup} |")
     if notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
-def main():
-    args = parse_args()
-    assert torch.cuda.is_available() and ha.WITH_CUDA, "needs a GPU and the CUDA kernels"
+def plot_speedups(record: dict, path: str) -> None:
+    """A PNG of the speedup over the best dense row against n: one panel per batch size, one line per
+    (mode, sparsity), the dense baseline at 1x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = record["results"]
+    batches = sorted({r["batch"] for r in results if r.get("speedup") and r["row"].startswith("ours-")})
+    if not batches:
+        raise ValueError("no ours-* row with a speedup to plot")
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.0), squeeze=False, sharey=True)
+    for ax, batch in zip(axes[0], batches):
+        for mode, marker in zip(MODES, ("o", "s")):
+            for sparsity, style in (("16x", "--"), ("32x", "-")):
+                points = sorted((r["n"], r["speedup"]) for r in results if r["batch"] == batch
+                                and r["row"] == f"ours-{mode}" and r["sparsity"] == sparsity and r.get("speedup"))
+                if points:
+                    ax.plot([n for n, _ in points], [x for _, x in points], style, marker=marker,
+                            label=f"{mode}, {sparsity}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["n"] for r in results if r["batch"] == batch})
+        ax.set_xticks(ticks, [human_n(n) for n in ticks])
+        ax.set_xlabel("context length n (tokens)")
+        ax.set_title(f"B = {batch}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("speedup over the best dense SDPA")
+    fig.suptitle(f"Decode attention, one Llama-3.1-8B layer, {record['meta']['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(record: dict, json_path: str) -> None:
+    """The JSON, Markdown and PNG results beside each other (``<stem>.json``, ``.md``, ``.png``)."""
+    stem = json_path[: -len(".json")]
+    common.write_results(stem + ".md", json_path, markdown(record), record)
+    plot_speedups(record, stem + ".png")
+
+
+def render(json_path: str) -> None:
+    """Rewrite the Markdown and the plot of an existing results file from its JSON."""
+    with open(json_path) as f:
+        record = json.load(f)
+    stem = json_path[: -len(".json")]
+    common.write_text(stem + ".md", markdown(record))
+    plot_speedups(record, stem + ".png")
+    print(f"wrote {stem}.md and {stem}.png")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render:
+        return render(args.render)
+    if not (torch.cuda.is_available() and ha.WITH_CUDA):
+        raise SystemExit("benchmarks.decode_attention needs a GPU and the extension built with its CUDA kernels")
     torch.backends.cuda.matmul.allow_tf32 = False
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
@@ -454,30 +462,20 @@ def main():
         for n in args.ns:
             run_config(batch, n, args.sparsities, args, bandwidth, results, notes)
     add_speedups(results)
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        gpu=torch.cuda.get_device_name(0),
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        python=platform.python_version(),
-        command="python " + " ".join(sys.argv),
-        code=provenance.describe(),
+    meta = common.run_metadata(common.command_line(f"benchmarks.{BENCHMARK}", argv))
+    meta.update(
         copy_bandwidth_gbps=bandwidth / 1e9,
-        replay=dict(min_steps=MIN_STEPS_PER_REPLAY, long_replay_us=LONG_REPLAY_US,
-                    l2_passes_between_uses=L2_PASSES_BETWEEN_USES, l2_multiple_in_all=L2_MULTIPLE_IN_ALL),
+        replay=dict(min_steps=common.MIN_STEPS_PER_REPLAY, long_replay_us=common.LONG_REPLAY_US,
+                    l2_passes_between_uses=common.L2_PASSES_BETWEEN_USES,
+                    l2_multiple_in_all=common.L2_MULTIPLE_IN_ALL),
         shape=dict(query_heads=QUERY_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE), sink=SINK,
                    local=LOCAL),
     )
-    text = markdown(results, meta, notes)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
-        with open(os.path.join(args.out, f"bench_decode_{stamp}.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, f"bench_decode_{stamp}.json"), "w") as f:
-            json.dump(dict(meta=meta, results=results, notes=notes, targets=decode_targets.evaluate(results)), f,
-                      indent=1)
+    record = dict(meta=meta, results=results, notes=notes)
+    print(markdown(record))
+    _, json_path = common.results_paths(BENCHMARK, common.device_kind(), args.out)
+    write_outputs(record, json_path)
+    print(f"wrote {json_path[:-5]}.{{md,json,png}}")
 
 
 if __name__ == "__main__":

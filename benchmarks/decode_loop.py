@@ -33,24 +33,26 @@ captured in one CUDA graph and timed by replay, divided by the measured step tim
 
 What ran earlier in a process changes its CUDA-graph replays: any cuDNN call (the dense backend
 checks, a cuDNN dense row) or a cold compile leaves ~0.3 ms more GPU idle time per B = 4 / 128K
-step (benchmarks/results/probe_process_state_20261204_s26.md). ``--process-per-method`` (with
-``--warm-compile``) therefore times every method in a process of its own, as a user serving that one
-model runs it (generate_processes.py); every row records what ran before it in its process.
+step (H200: 8.86 against 8.57 ms, the same kernels). ``--process-per-method`` (with
+``--warm-compile``) therefore times every method in a process of its own, as a user serving that
+one model runs it (``benchmarks.decode_loop_processes``); every row records what ran before it in
+its process.
 
-Results go to ``<out>/bench_generate_<YYYYMMDD>.json`` and ``.md``, rewritten after every method
-(a run killed by a time limit still leaves them); rows of an earlier run of the same day are kept
-unless re-measured (``--fresh`` starts over). Cells that do not fit in free GPU memory, or that
-would overrun ``--time-budget-s``, are recorded as skipped with the reason.
+Results go to ``benchmarks/results/decode_loop_<gpu>.json`` and ``.md`` (``--out`` picks another
+folder), rewritten after every method (a run killed by a time limit still leaves them). A run
+replaces the files of an earlier one; ``--merge`` adds its rows to them instead (what the processes
+of ``--process-per-method`` do). Cells that do not fit in free GPU memory, or that would overrun
+``--time-budget-s``, are recorded as skipped with the reason.
 
-Layout: this file holds the arguments, the model, the cache fill and the grid loop;
-``generate_dense.py`` the dense backends and their float32 check, ``generate_timing.py`` the timers
-and the decode loop, ``generate_profile.py`` the profiler breakdown, ``generate_report.py`` the JSON
-and Markdown results, ``generate_processes.py`` the one-process-per-method runs.
+Layout: this module holds the arguments, the model, the cache fill and the grid loop;
+``decode_loop_dense`` the dense backends and their float32 check, ``decode_loop_timing`` the timers
+and the decode loop, ``decode_loop_profile`` the profiler breakdown, ``decode_loop_report`` the
+JSON and Markdown results, ``decode_loop_processes`` the one-process-per-method runs.
 
-    python scripts/bench_generate.py --contexts 131072 --batches 1,4 --out benchmarks/results
-    python scripts/bench_generate.py --contexts 131072 --batches 4 --methods dense,hash-query_head-32 \\
-        --process-per-method --warm-compile --out benchmarks/results
-    python scripts/bench_generate.py --tiny --device cpu --compile none --contexts 96 --batches 1,2 --steps 4 \\
+    python -m benchmarks.decode_loop --contexts 131072 --batches 1,4
+    python -m benchmarks.decode_loop --contexts 131072 --batches 4 --methods dense,hash-query_head-32 \\
+        --process-per-method --warm-compile
+    python -m benchmarks.decode_loop --tiny --device cpu --compile none --contexts 96 --batches 1,2 --steps 4 \\
         --sink 4 --local 4 --methods dense,hash-query_head-full,hash-query_head-32 --out /tmp/bg
 """
 
@@ -58,21 +60,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate_dense import (  # noqa: E402
+from benchmarks import common
+from benchmarks.decode_loop_dense import (
     DENSE_ATTENTION_NAME,
     DENSE_CANDIDATES_CUDA,
     DENSE_STATE,
@@ -80,9 +79,8 @@ from generate_dense import (  # noqa: E402
     register_dense_attention,
     sdpa_backend,
 )
-from generate_profile import profile_decode  # noqa: E402
-from generate_report import (  # noqa: E402
-    TARGETS,
+from benchmarks.decode_loop_profile import profile_decode
+from benchmarks.decode_loop_report import (
     cell_key,
     comparable_key,
     environment,
@@ -91,12 +89,10 @@ from generate_report import (  # noqa: E402
     human_n,
     link_to_later_dense,
     load_previous,
-    measured_environment,
-    results_json_path,
-    target_line,
+    results_paths,
     write_results,
 )
-from generate_timing import (  # noqa: E402
+from benchmarks.decode_loop_timing import (
     Timer,
     compile_counters,
     decode,
@@ -148,9 +144,11 @@ def parse_args(argv=None):
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                         help="default bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--out", default="benchmarks/results",
-                        help="folder of bench_generate_<YYYYMMDD>.{json,md} (merged with an earlier run of the day)")
-    parser.add_argument("--fresh", action="store_true", help="do not keep rows of an earlier run of the same day")
+    parser.add_argument("--out", default=None,
+                        help="folder of decode_loop_<gpu>.{json,md} (default: benchmarks/results)")
+    parser.add_argument("--merge", action="store_true",
+                        help="add this run's rows to the existing results files (a row of the same B, n and method "
+                             "replaced) instead of replacing the files")
     parser.add_argument("--time-budget-s", type=float, default=540.0,
                         help="skip (and record) what would end after this many seconds from the start")
     parser.add_argument("--no-attention-share", action="store_true", help="skip the per-layer attention timing")
@@ -162,7 +160,7 @@ def parse_args(argv=None):
                              "host-sync calls per step); 0 = off")
     parser.add_argument("--trace-dir", default=None,
                         help="also write each method's profiled steps as a Chrome trace (trace_B<b>_n<n>_<method>"
-                             ".json.gz) into this folder and store where the GPU idles (scripts/timeline_gaps.py)")
+                             ".json.gz) into this folder and store where the GPU idles (tools.timeline_gaps)")
     parser.add_argument("--inductor-pdl", choices=("on", "off"), default="on",
                         help="inductor's Triton kernels launched with programmatic dependent launch (sm_90 and later; "
                              "sets torch._inductor.config.triton.enable_pdl for every method, over "
@@ -170,10 +168,8 @@ def parse_args(argv=None):
     parser.add_argument("--inductor-option", action="append", metavar="KEY=VALUE",
                         help="set torch._inductor.config.KEY (dotted for nested options, e.g. combo_kernels=True or "
                              "triton.max_tiles=3) for every method; repeatable; 'none' alone: inductor's own defaults. "
-                             "Without it: the comma-separated BENCH_INDUCTOR_OPTIONS environment variable (for "
-                             "scripts/ab_generate.sh; set but empty: inductor's defaults); without either: "
-                             "freezing=True and post_grad_custom_pre_pass='concat_projections_keep_layout' under "
-                             "--compile reduce-overhead, nothing otherwise. Recorded per run "
+                             "Without it: freezing=True and post_grad_custom_pre_pass='concat_projections_keep_layout' "
+                             "under --compile reduce-overhead, nothing otherwise. Recorded per run "
                              "and row; a row takes its ratio only from a dense row with the same options. "
                              "post_grad_custom_pre_pass='concat_projections' (with freezing=True) merges the q / k / v "
                              "GEMMs of a layer into one (hashattention/inductor_passes.py); "
@@ -181,7 +177,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="K/V, prompt tokens and probe queries")
     parser.add_argument("--process-per-method", action="store_true",
                         help="time every method in a Python process of its own, merged into the same --out files "
-                             "(scripts/generate_processes.py says why)")
+                             "(benchmarks.decode_loop_processes says why)")
     parser.add_argument("--warm-compile", action="store_true",
                         help="with --process-per-method: first run each method once, untimed, in its own process, "
                              "so that the timed process compiles from a warm cache")
@@ -196,8 +192,6 @@ def parse_args(argv=None):
         parser.error("--methods is empty")
     try:
         items = args.inductor_option
-        if items is None and "BENCH_INDUCTOR_OPTIONS" in os.environ:  # flags replace the environment's list
-            items = [o for o in os.environ["BENCH_INDUCTOR_OPTIONS"].split(",") if o.strip()]
         if items is None:
             # Nothing said: the decode step's fastest measured settings (what
             # hashattention.compile_options.decode_compile_options() sets) wherever inductor compiles.
@@ -523,8 +517,7 @@ def apply_inductor_pdl(enabled: bool) -> None:
     grid's outputs and lets the next one be placed after its loads, so on sm_90 and later consecutive graph
     nodes overlap their launch and prologue. HashAttention's CUDA kernels already wait for the grids before
     them before their first read, so they may follow such a kernel early. Inductor ignores it below sm_90.
-    H200, B = 4 / 128K / 32x per query head: 8.63 -> 8.49 ms per step, dense 21.23 -> 21.13
-    (benchmarks/results/bench_generate_20261204_s27_pdl.md).
+    H200, B = 4 / 128K / 32x per query head: 8.63 -> 8.49 ms per step, dense 21.23 -> 21.13.
     """
     import torch._inductor.config as inductor_config
 
@@ -592,8 +585,8 @@ def apply_inductor_options(options: Dict[str, object]) -> None:
 
 # The default --inductor-option list for --compile reduce-overhead, by name, as rows record it: what
 # hashattention.compile_options.decode_compile_options() sets besides CUDA graphs and PDL (frozen weights,
-# q | k | v and gate | up merged into one GEMM each, column-major). H200, 2026-12-06: B = 4, 128K, 32x per
-# head 8.49 -> 7.97 ms per step, dense 21.13 -> 20.12 (benchmarks/results/bench_generate_20261206_s45_frozen_h200.md).
+# q | k | v and gate | up merged into one GEMM each, column-major). H200, B = 4, 128K, 32x per head:
+# 8.49 -> 7.97 ms per step, dense 21.13 -> 20.12 (benchmarks/results/decode_loop_h200.md).
 DECODE_INDUCTOR_OPTIONS = ("freezing=True", "post_grad_custom_pre_pass='concat_projections_keep_layout'")
 
 # The inductor option that may name this package's graph pass (hashattention/inductor_passes.py), and
@@ -624,16 +617,12 @@ class Benchmark:
         torch.manual_seed(args.seed)
         register_dense_attention()
 
-        today = datetime.datetime.now(datetime.timezone.utc)
-        os.makedirs(args.out, exist_ok=True)
-        self.json_path = results_json_path(args.out)
-        self.md_path = self.json_path[:-5] + ".md"
-        self.record = {} if args.fresh else load_previous(self.json_path)
+        self.md_path, self.json_path = results_paths(args.out, self.device)
+        self.record = load_previous(self.json_path) if args.merge else {}
         for key in ("rows", "fills", "runs", "dense_checks"):
             self.record.setdefault(key, [])
-        self.record["env"] = environment(args, self.device)
-        words = list(argv) if argv is not None else sys.argv[1:]
-        command = "python scripts/bench_generate.py " + " ".join(shlex.quote(w) for w in words)
+        self.record["env"] = environment(self.device)
+        command = common.command_line("benchmarks.decode_loop", argv)
         print(f"{command}\n{self.record['env']}", flush=True)
 
         self.config = model_config(args, max(args.contexts) + args.steps + args.warmup + 8)
@@ -644,12 +633,12 @@ class Benchmark:
                      f"{c.num_key_value_heads} heads, head_dim {c.head_dim}, vocab {c.vocab_size}, {self.dtype}")
         print(f"model built in {t.seconds:.1f} s: {described}", flush=True)
         self.record["runs"].append({
-            "command": command, "started_utc": f"{today:%Y-%m-%d %H:%M} UTC", "fill": args.fill,
+            "command": command, "started_utc": common.utc_now(), "fill": args.fill,
             "compile": args.compile, "inductor_pdl": args.inductor_pdl == "on",
             "inductor_options": dict(args.inductor_options), "model": described,
             "steps": args.steps, "warmup": args.warmup,
             "sink": args.sink, "local": args.local, "model_build_s": t.seconds,
-            "environment": measured_environment()})
+            "environment": common.measured_environment()})
         self.families = sorted({m.family for m in args.method_specs if m.family})
         self.adapters = {f: build_adapters(c, f, self.device, self.dtype) for f in self.families}
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -657,11 +646,11 @@ class Benchmark:
         self.key_std = c.initializer_range * math.sqrt(c.hidden_size)
         self.order = {m.name: i for i, m in enumerate(args.method_specs)}
         # GPU work this process did before each method (dense backend checks, earlier methods): a B = 4 step
-        # was measured ~0.3 ms faster where a warm-cached compile was a process's first GPU work
-        # (bench_generate_20261203_s21_states.md), so every row says what ran before it.
+        # was measured ~0.3 ms faster where a warm-cached compile was a process's first GPU work (the same
+        # kernels, ~90 instead of ~440 µs of idle time between graph nodes), so every row says what ran before it.
         self.ran_before: List[str] = []
         # Whether this process has used cuDNN (a dense check or row through sdpa-cudnn): that alone slows
-        # later CUDA-graph replays (probe_process_state_20261204_s26.md), so every row records it.
+        # later CUDA-graph replays, so every row records it.
         self.cudnn_used = False
         self.method_seconds: List[float] = []
         self.fill_rate = 0.0  # seconds per (token x sequence) of fill + encode + check, from the previous cell
@@ -682,7 +671,7 @@ class Benchmark:
         if check is not None:
             r["dense_checks"] = [x for x in r["dense_checks"] if (x["B"], x["n"]) != (check["B"], check["n"])]
             r["dense_checks"].append(check)
-        r["updated_utc"] = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        r["updated_utc"] = common.utc_now()
         write_results(r, self.json_path, self.md_path)
 
     def base_row(self, batch: int, n: int, method: Method) -> dict:
@@ -711,7 +700,6 @@ class Benchmark:
             for batch in self.args.batches:
                 self.run_cell(batch, n)
         print(f"done in {self.elapsed():.0f} s: {self.json_path}, {self.md_path}", flush=True)
-        print("\n".join(target_line(self.record, *t) for t in TARGETS), flush=True)
         return self.record
 
     def choose_prefill_backend(self) -> None:
@@ -863,7 +851,8 @@ class Benchmark:
         return os.path.join(self.args.trace_dir, f"trace_B{cell.batch}_n{cell.n}_{method.name}.json.gz")
 
     def dense_from_earlier_run(self, cell: Cell, row: dict) -> None:
-        """Without dense in this run, compare with a dense row of an earlier run of the day on the same cell setup."""
+        """Without dense in this run, compare with a dense row already in the results (--merge) on the same cell
+        setup."""
         earlier = next((r for r in self.record["rows"] if r["status"] == "ok" and r["method"] == "dense"
                         and comparable_key(r) == comparable_key(row)), None)
         if earlier is not None:
@@ -919,14 +908,13 @@ class Benchmark:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.process_per_method:
-        from generate_processes import run_in_processes
+        from benchmarks.decode_loop_processes import run_in_processes
 
         failures = run_in_processes(args, sys.argv[1:] if argv is None else list(argv))
-        json_path = results_json_path(args.out)
-        record = load_previous(json_path)
+        _, json_path = results_paths(args.out, torch.device(args.device or ("cuda" if torch.cuda.is_available()
+                                                                              else "cpu")))
         print(f"process per method: {failures} failed; results in {json_path}", flush=True)
-        print("\n".join(target_line(record, *t) for t in TARGETS) if record else "no results written", flush=True)
-        return record
+        return load_previous(json_path)
     return Benchmark(args, argv).run()
 
 

@@ -1,4 +1,4 @@
-"""Dense attention for scripts/bench_generate.py: exact attention over the valid prefix of a static
+"""Dense attention for ``benchmarks.decode_loop``: exact attention over the valid prefix of a static
 cache, through the fastest backend that passes a float32 check on the cell's real cache.
 
 Backends: ``flash-varlen`` (FlashAttention-2 varlen with per-sequence used lengths, reading the
@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from generate_timing import time_replays
+from benchmarks.decode_loop_timing import time_replays
 
 
 DENSE_ATTENTION_NAME = "bench_dense"
@@ -141,7 +141,7 @@ def check_dense_backends(cache, config, valid: int, device, dtype, candidates, r
     """Run each candidate on layer 0 of the real cache against a float32 reference; time the passing ones.
 
     ``first_passing``: stop at the first candidate that passes (the others are never run, so a process
-    that needs no cuDNN does not initialize it: see generate_processes.py).
+    that needs no cuDNN does not initialize it: see ``benchmarks.decode_loop_processes``).
     Returns a list of dicts: backend, ok, error (relative), reason, attention_s_per_step (all layers).
     """
     layer = cache.layers[0]

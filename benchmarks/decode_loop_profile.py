@@ -1,4 +1,4 @@
-"""Profile of decode steps for scripts/bench_generate.py: kernel time per step by category, the
+"""Profile of decode steps for ``benchmarks.decode_loop``: kernel time per step by category, the
 host's synchronisations, and (with a trace path) where the GPU idled between kernels.
 """
 
@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 import torch
 
-from generate_timing import decode, rewind
+from benchmarks.decode_loop_timing import decode, rewind
 
 
 KERNEL_CATEGORIES = (  # first match wins; lower-case substrings of CUDA kernel names (namespaces dropped)
@@ -105,7 +105,7 @@ def profile_decode(forward, cache, first_token, valid: int, steps: int, full_mas
 
 def trace_timeline(prof, path: str, steps: int) -> dict:
     """Write the profiler's Chrome trace to ``path`` and summarize the GPU's idle gaps in it."""
-    from timeline_gaps import load_events, render, summarize
+    from tools.timeline_gaps import load_events, render, summarize
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof.export_chrome_trace(path)

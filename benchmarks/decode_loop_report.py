@@ -1,64 +1,43 @@
-"""Results of scripts/bench_generate.py: the run's environment, the JSON record merged over runs of
-a day, and its Markdown table with the issue's targets.
+"""Results of ``benchmarks.decode_loop``: the run's environment, the JSON record and its Markdown table.
+
+The record holds one run's rows (or, with ``--merge``, those of several runs such as the processes of
+``--process-per-method``): ``env`` (device, versions, code), ``runs`` (each process's command and
+settings), ``rows`` (one per B, n and method), ``fills`` and ``dense_checks``.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
-from typing import Dict, List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-import provenance
+from benchmarks import common
+from tools import provenance
 
-
-TARGETS = ((1, 131072, "hash-query_head-32", 1.7), (4, 131072, "hash-query_head-32", 2.5))
+BENCHMARK = "decode_loop"
 
 
 def human_n(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def environment(args, device) -> dict:
-    import transformers
-
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-        "python": platform.python_version(), **provenance.describe(),
-    }
-
-
-# Environment variables that change what a run measures: the package's timing aids (for example
-# HASHATTENTION_ENCODER), inductor's settings and the CUDA runtime's. Each run records the ones set,
-# so that its rows can be reproduced.
-MEASURED_ENVIRONMENT_PREFIXES = ("HASHATTENTION_", "TORCHINDUCTOR_")
-
-
-MEASURED_ENVIRONMENT_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "CUDA_LAUNCH_BLOCKING",
-                              "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
-
-
-def measured_environment() -> Dict[str, str]:
-    """The set variables of MEASURED_ENVIRONMENT_PREFIXES / _NAMES, by name."""
-    return {name: value for name, value in sorted(os.environ.items())
-            if name.startswith(MEASURED_ENVIRONMENT_PREFIXES) or name in MEASURED_ENVIRONMENT_NAMES}
+def environment(device: torch.device) -> dict:
+    """Device, library versions and code of this process, as the record's ``env``."""
+    return {"device": common.device_name(device), **common.versions(), **provenance.describe()}
 
 
 def cell_key(row) -> tuple:
     return (row["B"], row["n"], row["method"])
 
 
-def results_json_path(out: str) -> str:
-    """``<out>/bench_generate_<YYYYMMDD>.json`` for today (UTC); the Markdown file is beside it."""
-    today = datetime.datetime.now(datetime.timezone.utc)
-    return os.path.join(out, f"bench_generate_{today:%Y%m%d}.json")
+def results_paths(out: Optional[str], device: torch.device) -> Tuple[str, str]:
+    """(Markdown, JSON) paths: ``<out>/decode_loop_<kind>`` of the device (default folder: benchmarks/results)."""
+    return common.results_paths(BENCHMARK, common.device_kind(device), out)
 
 
 def load_previous(path: str) -> dict:
+    """The record in ``path``; {} if there is none or it does not parse."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -67,11 +46,7 @@ def load_previous(path: str) -> dict:
 
 
 def write_results(record: dict, json_path: str, md_path: str) -> None:
-    for path, text in ((json_path, json.dumps(record, indent=1)), (md_path, markdown(record))):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
+    common.write_results(md_path, json_path, markdown(record), record)
 
 
 def fmt(value, spec: str, missing: str = "-") -> str:
@@ -95,9 +70,9 @@ def markdown(record: dict) -> str:
     lines = [
         "# End-to-end decode throughput: Llama-3.1-8B architecture, random bf16 weights",
         "",
-        f"- updated: {record['updated_utc']}; device: {record['env']['device']}; torch {record['env']['torch']}, "
+        f"- date: {record['updated_utc']}; device: {record['env']['device']}; torch {record['env']['torch']}, "
         f"CUDA {record['env']['cuda']}, transformers {record['env']['transformers']}, {provenance.label(record['env'])}",
-        "- commands (each run merges its rows into this file):",
+        "- commands (one line per process whose rows are in this file):",
         *[f"  - `{run['command']}` ({run['started_utc']}; fill: {run['fill']}, compile: {run['compile']}"
           f"{', inductor PDL' if run.get('inductor_pdl') else ''}{inductor_options_note(run)}, "
           f"{run['model']}{environment_note(run)})" for run in record["runs"]],
@@ -165,8 +140,6 @@ def markdown(record: dict) -> str:
             for r, calls in host:
                 lines.append(f"- B = {r['B']}, {human_n(r['n'])}, {r['method']}: " + ", ".join(
                     f"{name} {c['host_us_per_step']:.0f} ({c['calls_per_step']:g})" for name, c in calls.items()))
-    lines += ["", "## Targets (issue 7)", ""]
-    lines += [target_line(record, *t) for t in TARGETS]
     return "\n".join(lines)
 
 
@@ -178,8 +151,8 @@ def comparable_key(row: dict) -> tuple:
 
 
 def link_to_later_dense(rows: List[dict], dense: dict) -> None:
-    """Give the rows of ``dense``'s cell that ran before it (an earlier process of the day, one method per
-    process) their ratio and token agreement with it, as a dense row run first would have."""
+    """Give the rows of ``dense``'s cell that ran before it (an earlier process merged into the same record,
+    one method per process) their ratio and token agreement with it, as a dense row run first would have."""
     for r in rows:
         if (r is dense or r["status"] != "ok" or r["method"] == "dense" or r.get("ratio_to_dense") is not None
                 or comparable_key(r) != comparable_key(dense)):
@@ -187,17 +160,6 @@ def link_to_later_dense(rows: List[dict], dense: dict) -> None:
         r["ratio_to_dense"] = r["tokens_per_s"] / dense["tokens_per_s"]
         r["first_divergence_from_dense"] = first_divergence(r["generated_tokens"], dense["generated_tokens"])
         r["dense_from_later_run"] = True
-
-
-def target_line(record, batch, n, method, target) -> str:
-    row = next((r for r in record["rows"] if (r["B"], r["n"], r["method"]) == (batch, n, method)), None)
-    label = f"B = {batch}, {human_n(n)}, {method}: target >= {target}x tokens/s over dense"
-    if row is None or row["status"] != "ok" or row.get("ratio_to_dense") is None:
-        return f"- {label}: **not measured**" + (f" ({row['status']}: {row.get('reason', '')})" if row else "")
-    ratio = row["ratio_to_dense"]
-    if ratio >= target:
-        return f"- {label}: **met**, {ratio:.2f}x ({ratio - target:+.2f}x)"
-    return f"- {label}: **missed**, {ratio:.2f}x, short by {target - ratio:.2f}x ({100 * (1 - ratio / target):.0f}%)"
 
 
 def first_divergence(tokens, reference) -> Optional[int]:

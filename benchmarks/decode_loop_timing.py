@@ -1,4 +1,4 @@
-"""Timing for scripts/bench_generate.py: CUDA-event timers, CUDA-graph replays, and the decode loop.
+"""Timing for ``benchmarks.decode_loop``: CUDA-event timers, CUDA-graph replays, and the decode loop.
 
 ``decode`` runs greedy steps with the argmax fed back on the device, so a timed run synchronises
 once, at its end; ``paced_step_ms`` times steps one at a time after the GPU went idle.

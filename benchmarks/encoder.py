@@ -12,32 +12,33 @@ time (a graph of a single launch would mostly time the graph launch itself).
 Rows per configuration: ours (the fused kernel) and, as the baseline measured in the same run,
 the same MLPs in plain PyTorch (one batched product per layer, bias, activation, then
 ``pack_signs``), both in CUDA graphs. Columns: µs per layer, GB/s over the bytes a launch must
-read (weights, biases, inputs), the ratio to the baseline.
+read (weights, biases, inputs), the ratio to the baseline. The encoder kernel is the library's
+automatic choice for the row count; ``HASHATTENTION_ENCODER`` forces one (``fma``, ``mma``,
+``cluster2``, ``cluster4``), and the results file records it.
 
-    python scripts/bench_encode.py                                # B = 1, 4; 32 layers' weights
-    python scripts/bench_encode.py --batches 1 4 8 --layers 1     # weights warm in L2
-    python scripts/bench_encode.py --hidden 128                   # 128 -> 128 -> 32
+The results go to ``benchmarks/results/encoder_<gpu>.{md,json}``, replacing an earlier run's.
+
+    python -m benchmarks.encoder                                  # B = 1, 4; 32 layers' weights
+    python -m benchmarks.encoder --batches 1 4 8 --layers 1       # weights warm in L2
+    python -m benchmarks.encoder --hidden 128 --out /tmp/enc      # 128 -> 128 -> 32
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hashattention as ha  # noqa: E402
-from bench_decode import time_graph  # noqa: E402
+import hashattention as ha
+from benchmarks import common
+from benchmarks.common import time_graph
 
+BENCHMARK = "encoder"
 QUERY_HEADS, KV_HEADS, HEAD_DIM, BITS = 32, 8, 128, 32
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--hidden", type=int, nargs="*", default=[128, 128],
@@ -45,11 +46,12 @@ def parse_args():
     parser.add_argument("--layers", type=int, default=32, help="layers' weights the graph rotates over")
     parser.add_argument("--launches", type=int, default=32, help="encoder launches per graph (one per layer in a model)")
     parser.add_argument("--repeats", type=int, default=50, help="graph replays timed (median)")
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    return parser.parse_args()
+    parser.add_argument("--out", default=None, help="folder of encoder_<gpu>.{md,json} (default: benchmarks/results)")
+    return parser.parse_args(argv)
 
 
 def mlp_stack(heads: int, sizes, generator):
+    """Random bf16 weights (heads, in, out) and biases (heads, out) of one MLP per head, for layer widths `sizes`."""
     weights = [torch.randn(heads, i, o, generator=generator, device="cuda").mul(i**-0.5).to(torch.bfloat16)
                for i, o in zip(sizes[:-1], sizes[1:])]
     biases = [torch.randn(heads, o, generator=generator, device="cuda").mul(0.1).to(torch.bfloat16)
@@ -68,10 +70,25 @@ def torch_encode(x: torch.Tensor, weights, biases, heads: int) -> torch.Tensor:
     return ha.pack_signs(h.transpose(0, 1).reshape(batch, heads, 1, -1))
 
 
-def main():
-    args = parse_args()
+def markdown(record: dict) -> str:
+    meta = record["meta"]
+    sizes = " -> ".join(str(size) for size in meta["mlp_sizes"])
+    lines = [f"# Decode-step signature encoder ({meta['device']})", "", *common.header_lines(meta),
+             f"- shape: {QUERY_HEADS} query / {KV_HEADS} KV heads, per-query-head key MLPs, D = {HEAD_DIM}, bf16, "
+             f"MLP {sizes}; a CUDA graph of {meta['launches']} `encode_signatures_pair` launches over "
+             f"{meta['layers']} layers' weights ({meta['weights_mib']:.1f} MiB)", "",
+             "| B | method | µs per layer | GB/s | ratio to PyTorch | signature words equal to PyTorch's |",
+             "|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['batch']} | {r['method']} | {r['us']:.2f} | {r['gbps']:.0f} | {r['ratio']:.2f}x | "
+                     f"{100 * r['words_agreeing']:.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not (torch.cuda.is_available() and ha.WITH_CUDA):
-        sys.exit("bench_encode.py needs a GPU and the extension built with its CUDA kernels")
+        raise SystemExit("benchmarks.encoder needs a GPU and the extension built with its CUDA kernels")
     sizes = (HEAD_DIM, *args.hidden, BITS)
     g = torch.Generator(device="cuda").manual_seed(0)
     stacks = [(mlp_stack(QUERY_HEADS, sizes, g), mlp_stack(QUERY_HEADS, sizes, g)) for _ in range(args.layers)]
@@ -101,13 +118,17 @@ def main():
                               args.launches, args.repeats, 5)
         for method, us in (("pytorch (bmm chain + pack_signs)", baseline), ("ours (encode_signatures_pair)", ours)):
             row = dict(batch=batch, method=method, us=us, gbps=bytes_per_launch / us / 1e3, ratio=baseline / us,
-                       layers=args.layers, sizes=list(sizes), words_agreeing=float(agree))
+                       words_agreeing=float(agree))
             rows.append(row)
             print(f"| {batch} | {method} | {us:.2f} | {row['gbps']:.0f} | {row['ratio']:.2f}x |")
         print(f"  (B={batch}: {100 * float(agree):.2f}% of signature words equal the PyTorch baseline's)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    meta = common.run_metadata(common.command_line(f"benchmarks.{BENCHMARK}", argv))
+    meta.update(mlp_sizes=list(sizes), layers=args.layers, launches=args.launches,
+                weights_mib=args.layers * weight_bytes / 2**20)
+    record = dict(meta=meta, rows=rows)
+    md_path, json_path = common.results_paths(BENCHMARK, common.device_kind(), args.out)
+    common.write_results(md_path, json_path, markdown(record), record)
+    print(f"wrote {md_path} and {json_path}")
 
 
 if __name__ == "__main__":

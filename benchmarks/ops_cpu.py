@@ -1,10 +1,11 @@
 """CPU kernels against the plain-PyTorch reference at N = 32K (a sanity check, not a GPU benchmark).
 
-Shows that the CPU kernels are parallel and not pathologically slow. Prints one row per op:
-median milliseconds of our kernel and of the reference, their ratio, and the bytes the op
-must read divided by our time.
+Shows that the CPU kernels are parallel and not pathologically slow. One row per op: median
+milliseconds of our kernel and of the reference, their ratio, and the bytes the op must read
+divided by our time. The results go to ``benchmarks/results/ops_cpu.{md,json}``, replacing an
+earlier run's.
 
-    python scripts/bench_ops_cpu.py [--keys 32768] [--threads N] [--repeats 5]
+    python -m benchmarks.ops_cpu [--keys 32768] [--threads N] [--repeats 5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import time
 import torch
 
 import hashattention as ha
+from benchmarks import common
 from hashattention import reference
 
+BENCHMARK = "ops"
 
-def median_ms(fn, repeats):
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall-clock milliseconds of ``fn()`` over ``repeats`` calls, after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -29,7 +34,20 @@ def median_ms(fn, repeats):
     return statistics.median(times)
 
 
-def main():
+def markdown(record: dict) -> str:
+    meta, shape = record["meta"], record["meta"]["shape"]
+    lines = [f"# CPU kernels against the plain-PyTorch reference ({meta['device']})", "", *common.header_lines(meta),
+             f"- shape: N = {shape['keys']}, Hq = {shape['query_heads']}, Hkv = {shape['kv_heads']}, "
+             f"D = {shape['head_dim']}, bf16 K/V, sink = local = {shape['sink']}, budget {shape['budget']} "
+             f"({shape['sparsity']}x); the reference is `hashattention.reference`", "",
+             "| op | ours ms | reference ms | speedup | GB/s (ours) |", "|---|---|---|---|---|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['op']} | {r['ours_ms']:.2f} | {r['reference_ms']:.2f} | "
+                     f"{r['reference_ms'] / r['ours_ms']:.1f}x | {r['gbps']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=32768, help="cached keys N")
     parser.add_argument("--query-heads", type=int, default=8)
@@ -38,7 +56,8 @@ def main():
     parser.add_argument("--sparsity", type=int, default=16, help="n / s tokens attended, windows included")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="folder of ops_cpu.{md,json} (default: benchmarks/results)")
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -76,10 +95,19 @@ def main():
     print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; N = {n}, Hq = {hq}, Hkv = {hkv}, "
           f"D = {d}, sink = local = {sink}, budget = {budget} (sparsity {args.sparsity}x)")
     print(f"{'op':34s} {'ours ms':>9s} {'reference ms':>13s} {'speedup':>8s} {'GB/s':>7s}")
+    rows = []
     for name, ours, ref, nbytes in cases:
         ours_ms = median_ms(ours, args.repeats)
         ref_ms = median_ms(ref, max(1, args.repeats // 2))
+        rows.append(dict(op=name, ours_ms=ours_ms, reference_ms=ref_ms, bytes=nbytes, gbps=nbytes / ours_ms / 1e6))
         print(f"{name:34s} {ours_ms:9.2f} {ref_ms:13.2f} {ref_ms / ours_ms:7.1f}x {nbytes / ours_ms / 1e6:7.2f}")
+    meta = common.run_metadata(common.command_line("benchmarks.ops_cpu", argv), torch.device("cpu"))
+    meta["shape"] = dict(keys=n, query_heads=hq, kv_heads=hkv, head_dim=d, sink=sink, local=local, budget=budget,
+                         sparsity=args.sparsity)
+    record = dict(meta=meta, rows=rows)
+    md_path, json_path = common.results_paths(BENCHMARK, "cpu", args.out)
+    common.write_results(md_path, json_path, markdown(record), record)
+    print(f"wrote {md_path} and {json_path}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 A decode step's selection and attention are bound by latency long before bandwidth at B = 1, so
 "the byte floor at the copy bandwidth" (bytes / copy rate) understates what any kernel can reach.
 These helpers measure the floor the way the benchmarks time the real kernels (graph replays of one
-launch per layer buffer, scripts/bench_decode.py's ``time_graph``), so the two can be compared:
+launch per layer buffer, ``benchmarks.common.time_graph``), so the two can be compared:
 
 * ``time_empty``: a kernel that writes one word -- the launch and the gap between two kernels of a
   graph, which every launch pays;
@@ -12,8 +12,8 @@ launch per layer buffer, scripts/bench_decode.py's ``time_graph``), so the two c
   same number of bytes contiguously is never slower than gathering them as scattered rows, so this
   bounds from below any kernel that must read them.
 
-Used by ``scripts/bench_decode.py`` (its ``floor-*`` rows) and ``scripts/probe_selection.py
---read-floor``. Needs Triton (``available()`` says whether it imported).
+Used by ``benchmarks.decode_attention`` (its ``floor-*`` rows). Needs Triton (``available()`` says
+whether it imported).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ TimeGraph = Callable[[Callable[[int], object], int, int, int], float]
 
 
 def available() -> bool:
+    """Whether Triton imported (the floor kernels are Triton kernels)."""
     return triton is not None
 
 

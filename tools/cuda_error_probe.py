@@ -1,5 +1,10 @@
-"""Checks that bad arguments to the CUDA kernels raise Python errors (run in a subprocess per case)."""
+"""Checks that bad arguments to the CUDA kernels raise Python errors (each case in a subprocess, so a crash
+shows as a return code instead of killing the check).
 
+    python -m tools.cuda_error_probe
+"""
+
+import argparse
 import subprocess
 import sys
 
@@ -11,7 +16,17 @@ CASES = {
     "torch.randn(1,2,5,96,device='cuda'), torch.zeros(1,2,1,3,dtype=torch.int32,device='cuda'), scale=1.0)",
     "cpu pack_signs bits": "ha.pack_signs(torch.randn(3, 500))",
 }
-for name, call in CASES.items():
-    code = f"import torch, hashattention as ha\ntry:\n    {call}\n    print('no error')\nexcept Exception as e:\n    print(type(e).__name__, str(e).splitlines()[0][:100])"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    print(f"{name}: rc={result.returncode} {result.stdout.strip()} {result.stderr.strip().splitlines()[-1:] if result.returncode else ''}")
+
+
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    for name, call in CASES.items():
+        code = (f"import torch, hashattention as ha\ntry:\n    {call}\n    print('no error')\n"
+                "except Exception as e:\n    print(type(e).__name__, str(e).splitlines()[0][:100])")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        crash = result.stderr.strip().splitlines()[-1:] if result.returncode else ""
+        print(f"{name}: rc={result.returncode} {result.stdout.strip()} {crash}")
+
+
+if __name__ == "__main__":
+    main()

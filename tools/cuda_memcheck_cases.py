@@ -1,14 +1,20 @@
-"""Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see scripts/gpu_check.sh).
+"""Every CUDA op on a small grid, for `compute-sanitizer --tool memcheck` (see tools/gpu_check.sh):
+
+    compute-sanitizer --tool memcheck python -m tools.cuda_memcheck_cases
 
 Covers each kernel path once or twice: the fused, cluster (2 and 4 blocks per head), tensor-core
-and cuBLAS encoders (alone and as a pair), sign-and-pack,
-Hamming scores, the one-launch (also in grid slices), chunked and radix-select paths of hamming_topk,
-topk_from_scores, sparse_attention with one and with several splits (merged in a cluster and
-through the counters, from a memset or from the caller's workspace), HF and paged layouts,
-with counts and without. Results are compared with the
-CPU kernels so the run also fails on wrong answers. Prints OK at the end.
+and cuBLAS encoders (alone and as a pair), sign-and-pack, Hamming scores, the one-launch (also in
+grid slices), chunked and radix-select paths of hamming_topk, topk_from_scores, sparse_attention
+with one and with several splits (merged in a cluster and through the counters, from a memset or
+from the caller's workspace), HF and paged layouts, with counts and without. Results are compared
+with the CPU kernels, so the run also fails on wrong answers. Prints OK at the end.
+
+Kernel paths that the automatic choices would not take at these sizes are forced with the timing
+aids ``HASHATTENTION_ENCODER``, ``HASHATTENTION_SELECTION_RESIDENT_BLOCKS`` and
+``HASHATTENTION_ATTENTION_CLUSTER``.
 """
 
+import argparse
 import os
 
 import torch
@@ -26,7 +32,10 @@ def bit_agreement(a, b):
     return 1.0 - differing.float().mean().item()
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    if not (torch.cuda.is_available() and ha.WITH_CUDA):
+        raise SystemExit("tools.cuda_memcheck_cases needs a GPU and the extension built with its CUDA kernels")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 64, generator=g)
     weights = [torch.randn(3, 64, 32, generator=g), torch.randn(3, 32, 64, generator=g)]

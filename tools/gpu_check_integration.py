@@ -3,8 +3,8 @@
 Run on the GPU machine from the repository root, after building the extension with its CUDA
 kernels (``make build`` or ``pip install --no-build-isolation --no-deps -e .``):
 
-    python scripts/gpu_check_integration.py                 # Llama and Mistral, bf16, 4K context
-    TORCH_LOGS="graph_breaks,recompiles,cudagraphs" python scripts/gpu_check_integration.py --model llama
+    python -m tools.gpu_check_integration                   # Llama and Mistral, bf16, 4K context
+    TORCH_LOGS="graph_breaks,recompiles,cudagraphs" python -m tools.gpu_check_integration --model llama
 
 Random-weight models (Llama-3-8B-like attention: 32 query heads, 8 KV heads, head_dim 128;
 few layers, small MLP) are built in memory, so nothing is downloaded. Per model it checks:
@@ -21,9 +21,6 @@ few layers, small MLP) are built in memory, so nothing is downloaded. Per model 
 4. ``generate(cache_implementation="static")`` (auto-compiled on CUDA) gives the same scores as
    eager ``generate`` (``disable_compile=True``) up to the first differing token (float32).
 
-The H200 run (2026-12-01) passes all checks in float32 and all graph checks in bf16:
-``python scripts/gpu_check_integration.py --model llama --dtype float32`` and the default bf16 run.
-
 It prints one line per check and ends with ``PASS`` (exit 0) or ``FAIL`` (exit 1). ``--cpu`` runs
 the same checks on the CPU with ``backend="eager"`` instead of CUDA graphs (a smoke test of the
 script itself).
@@ -32,13 +29,10 @@ script itself).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RESULTS = []
 

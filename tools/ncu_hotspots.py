@@ -1,9 +1,9 @@
 """Where a kernel's warps wait: the SASS instructions with the most stall samples in an Nsight Compute
 source-page export, with their source lines.
 
-    ncu --set full --import-source yes -k regex:resident_select -c 1 -o rep python3 scripts/profile_ops.py ...
+    ncu --set full --import-source yes -k regex:resident_select -c 1 -o rep python -m tools.profile_ops ...
     ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python scripts/ncu_hotspots.py sass.csv [--top 40]
+    python -m tools.ncu_hotspots sass.csv [--top 40]
 
 Build with ``HASHATTENTION_LINEINFO=1`` so that instructions carry their source line. Prints the top
 instructions by sampled warp stalls (all samples, and the not-issued ones when the export has them),
@@ -14,7 +14,6 @@ each instruction's share of the kernel's samples, and the same totals per source
 from __future__ import annotations
 
 import argparse
-import collections
 import csv
 import sys
 

@@ -1,18 +1,18 @@
 """Per-kernel GPU times of one decode step's ops (selection and sparse attention), from torch.profiler.
 
-The decode benchmark (scripts/bench_decode.py) times whole graph replays; this script says where
-that time goes: each CUDA kernel (and memset) that hamming_topk and sparse_attention launch, its
-mean duration over the profiled steps, and the gap between launches that a graph replay pays.
+The decode benchmark (``benchmarks.decode_attention``) times whole graph replays; this tool says
+where that time goes: each CUDA kernel (and memset) that hamming_topk and sparse_attention launch,
+its mean duration over the profiled steps, and the gap between launches that a graph replay pays.
 
-    python scripts/profile_ops.py                      # Llama-3.1-8B layer shapes, B = 1, 32x
-    python scripts/profile_ops.py --n 32768 131072 --sparsity 32 --selection query_head kv_group
-    ncu --clock-control none -k regex:fast_ python scripts/profile_ops.py --n 131072 --eager 3  # hardware counters
+    python -m tools.profile_ops                        # Llama-3.1-8B layer shapes, B = 1, 32x
+    python -m tools.profile_ops --n 32768 131072 --sparsity 32 --selection query_head kv_group
+    ncu --clock-control none -k regex:resident_select python -m tools.profile_ops --n 131072 --eager 3  # counters
 
 The encoder of one decode step (a new query or key row per head: `encode_signatures` on
 (B, 32, 1, 128) with bf16 MLP weights 128 -> 128 -> 32) is profiled the same way (--encode-batches), and so
 is the pair a decode step actually runs (`encode_signatures_pair`: query and new key rows in one launch).
 
-Shapes follow bench_decode.py: 32 query heads, 8 KV heads, D = 128, bf16, sink = local = 128,
+Shapes follow ``benchmarks.decode_attention``: 32 query heads, 8 KV heads, D = 128, bf16, sink = local = 128,
 one signature word (32 bits) per head. Prints one table per configuration.
 """
 
@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hashattention as ha  # noqa: E402
+import hashattention as ha
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 
@@ -148,7 +146,7 @@ def profile(step, steps: int):
 def main():
     args = parse_args()
     if not (torch.cuda.is_available() and ha.WITH_CUDA):
-        sys.exit("profile_ops.py needs a GPU and the extension built with its CUDA kernels")
+        sys.exit("tools.profile_ops needs a GPU and the extension built with its CUDA kernels")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     for selection in args.selection:
         for sparsity in args.sparsity:

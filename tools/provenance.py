@@ -1,13 +1,13 @@
 """Which code a benchmark ran: the git commit, whether the tree differed from it, and a digest of the sources.
 
-The GPU machine runs on a copy of the working tree whose git metadata can lag the files (a run there
-recorded commit 2b46a9f while it ran c7bd308's files), so results also record ``source_sha256``, a
-digest of the files that decide what runs and how it is measured: ``setup.py`` and the ``.py`` /
-``.cpp`` / ``.h`` / ``.cu`` / ``.cuh`` files under ``csrc/``, ``hashattention/`` and ``scripts/``. The same digest of any commit tells which one
-a result came from:
+A GPU machine may run on a copy of the working tree whose git metadata lags its files, so results
+also record ``source_sha256``, a digest of the files that decide what runs and how it is measured:
+``setup.py`` and the ``.py`` / ``.cpp`` / ``.h`` / ``.cu`` / ``.cuh`` files under ``csrc/``,
+``hashattention/`` and ``benchmarks/``. The same digest of a commit tells which commit a result came
+from:
 
-    python scripts/provenance.py                # this working tree
-    python scripts/provenance.py --commit c7bd308
+    python -m tools.provenance                  # this working tree
+    python -m tools.provenance --commit HEAD~3
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import subprocess
 from typing import Dict, Iterable, Optional, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE_DIRS = ("csrc", "hashattention", "scripts")
+SOURCE_DIRS = ("csrc", "hashattention", "benchmarks")
 SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu", ".cuh")
 EXTRA_FILES = ("setup.py",)
 
 
 def is_source(relative: str) -> bool:
+    """Whether a repository-relative path (``/``-separated) is one of the digested sources."""
     if relative in EXTRA_FILES:
         return True
     parts = relative.split("/")
@@ -40,6 +41,7 @@ def digest(files: Iterable[Tuple[str, bytes]]) -> str:
 
 
 def tree_files(root: str = REPO_ROOT):
+    """(relative path, bytes) of every source file in the working tree at ``root``."""
     for top in SOURCE_DIRS + EXTRA_FILES:
         path = os.path.join(root, top)
         if os.path.isfile(path):
@@ -54,6 +56,7 @@ def tree_files(root: str = REPO_ROOT):
 
 
 def commit_files(commit: str, root: str = REPO_ROOT):
+    """(relative path, bytes) of every source file of ``commit``; ValueError if it is not a commit."""
     listed = git(["ls-tree", "-r", "--name-only", commit, "--", *SOURCE_DIRS, *EXTRA_FILES], root)
     if listed is None:
         raise ValueError(f"commit {commit!r} is not a commit of the repository at {root}")
@@ -86,7 +89,8 @@ def describe(root: str = REPO_ROOT) -> Dict[str, object]:
 
 
 def label(info: Dict[str, object]) -> str:
-    """One line for a results file: ``commit c7bd308, sources 1a2b...`` (``+ changes`` when dirty)."""
+    """One line for a results file: ``commit <short hash>, sources <digest>``, with ``+ uncommitted changes``
+    when the sources differ from the commit."""
     commit = info.get("git_commit") or "unknown"
     changed = " + uncommitted changes" if info.get("git_dirty") else ""
     return f"commit {commit}{changed}, sources {info.get('source_sha256')}"

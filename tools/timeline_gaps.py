@@ -9,10 +9,11 @@ host (a full launch queue shows up as a long ``cudaGraphLaunch``/``cudaLaunchKer
 ``cudaStreamSynchronize``/``cudaMemcpyAsync``) stands out, and summarizes each CUDA-graph replay (kernels,
 span, kernel time, idle time inside it and before it).
 
-    python scripts/timeline_gaps.py trace.json.gz --steps 16     # a trace written by export_chrome_trace
-    python scripts/timeline_gaps.py A.json.gz --compare B.json.gz  # two runs of one graph, node by node
+    python -m tools.timeline_gaps trace.json.gz --steps 16       # a trace written by export_chrome_trace
+    python -m tools.timeline_gaps A.json.gz --compare B.json.gz  # two runs of one graph, node by node
 
-``bench_generate.py --trace-dir DIR`` writes one trace per method and stores this summary in its JSON.
+``python -m benchmarks.decode_loop --trace-dir DIR`` writes one trace per method and stores this
+summary in its JSON.
 Timestamps: Kineto puts GPU activity on the host's clock, so host/GPU comparisons are good to about
 a microsecond, which is why gaps below ``floor_us`` are not attributed.
 """

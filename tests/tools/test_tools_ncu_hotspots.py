@@ -1,10 +1,10 @@
-"""scripts/ncu_hotspots.py on a synthetic Nsight Compute source-page export (no GPU needed)."""
+"""tools.ncu_hotspots on a synthetic Nsight Compute source-page export (no GPU needed)."""
 
 import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "ncu_hotspots.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 EXPORT = """==PROF== Connected to process 1
 "# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed"
@@ -17,7 +17,8 @@ EXPORT = """==PROF== Connected to process 1
 def run(tmp_path, text, *extra):
     path = tmp_path / "sass.csv"
     path.write_text(text)
-    return subprocess.run([sys.executable, SCRIPT, str(path), *extra], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tools.ncu_hotspots", str(path), *extra], cwd=ROOT,
+                          capture_output=True, text=True)
 
 
 def test_ranks_instructions_by_stall_samples_with_shares(tmp_path):

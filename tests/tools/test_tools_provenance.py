@@ -1,14 +1,12 @@
-"""scripts/provenance.py: the source digest of a working tree equals that of the commit it came from."""
+"""tools.provenance: the source digest of a working tree equals that of the commit it came from."""
 
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import provenance  # noqa: E402
+from tools import provenance
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

@@ -1,4 +1,4 @@
-"""scripts/timeline_gaps.py on synthetic Chrome traces: idle time, its sources and the host state (no GPU needed)."""
+"""tools.timeline_gaps on synthetic Chrome traces: idle time, its sources and the host state (no GPU needed)."""
 
 import gzip
 import json
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "timeline_gaps.py")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import timeline_gaps  # noqa: E402
+from tools import timeline_gaps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMAND = [sys.executable, "-m", "tools.timeline_gaps"]
 
 
 def kernel(name, ts, dur, correlation, stream=7):
@@ -87,7 +87,7 @@ def test_cli_reads_gzipped_trace(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": trace()}, f)
-    done = subprocess.run([sys.executable, SCRIPT, str(path), "--steps", "2"], capture_output=True, text=True)
+    done = subprocess.run([*COMMAND, str(path), "--steps", "2"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "span 31.0 us" in done.stdout and "b_kernel -> c_kernel | cudaGraphLaunch, issued before idle" in done.stdout
 
@@ -137,6 +137,6 @@ def test_replay_transitions_and_their_comparison(tmp_path):
     for name, events in (("a.json", first), ("b.json", second)):
         (tmp_path / name).write_text(json.dumps({"traceEvents": events}))
         paths.append(str(tmp_path / name))
-    done = subprocess.run([sys.executable, SCRIPT, paths[0], "--compare", paths[1]], capture_output=True, text=True)
+    done = subprocess.run([*COMMAND, paths[0], "--compare", paths[1]], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "1.5    1.0    2.00 /    0.50 | x -> y" in done.stdout
