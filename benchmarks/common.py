@@ -188,10 +188,11 @@ def versions() -> Dict[str, Optional[str]]:
 def header_lines(meta: Dict[str, object]) -> List[str]:
     """The Markdown bullet lines that open every results file, from ``run_metadata``'s dict."""
     versions = [f"torch {meta['torch']}", f"CUDA {meta['cuda']}"]
-    if meta.get("transformers"):
-        versions.append(f"transformers {meta['transformers']}")
+    for name, label in (("transformers", "transformers"), ("python", "Python")):
+        if meta.get(name):  # None where the library is missing (or a run did not record it)
+            versions.append(f"{label} {meta[name]}")
     lines = [f"- date: {meta['date']}",
-             f"- device: {meta['device']}; " + ", ".join(versions) + f", Python {meta['python']}",
+             f"- device: {meta['device']}; " + ", ".join(versions),
              f"- code: {provenance.label(meta['code'])}",
              f"- command: `{meta['command']}`"]
     if meta.get("environment"):

@@ -397,7 +397,7 @@ def markdown(record: dict) -> str:
 
 def plot_speedups(record: dict, path: str) -> None:
     """A PNG of the speedup over the best dense row against n: one panel per batch size, one line per
-    (mode, sparsity), the dense baseline at 1x."""
+    (mode, sparsity) -- a colour per mode, dashed at 16x, solid at 32x -- and the dense baseline at 1x."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -409,12 +409,12 @@ def plot_speedups(record: dict, path: str) -> None:
         raise ValueError("no ours-* row with a speedup to plot")
     fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.0), squeeze=False, sharey=True)
     for ax, batch in zip(axes[0], batches):
-        for mode, marker in zip(MODES, ("o", "s")):
+        for mode, marker, color in zip(MODES, ("o", "s"), ("tab:blue", "tab:red")):
             for sparsity, style in (("16x", "--"), ("32x", "-")):
                 points = sorted((r["n"], r["speedup"]) for r in results if r["batch"] == batch
                                 and r["row"] == f"ours-{mode}" and r["sparsity"] == sparsity and r.get("speedup"))
                 if points:
-                    ax.plot([n for n, _ in points], [x for _, x in points], style, marker=marker,
+                    ax.plot([n for n, _ in points], [x for _, x in points], style, marker=marker, color=color,
                             label=f"{mode}, {sparsity}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
