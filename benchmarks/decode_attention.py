@@ -69,7 +69,7 @@ MODES = ("per-head", "group")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_attention", description=__doc__.split("\n")[0])
     parser.add_argument("--ns", type=int, nargs="+", default=[8192, 32768, 131072, 524288])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--sparsities", type=int, nargs="+", default=[16, 32])

@@ -119,7 +119,8 @@ def int_list(text: str) -> List[int]:
 
 def parse_args(argv=None):
     # allow_abbrev=False: --process-per-method passes the arguments on to child processes by their full names.
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_loop",
+                                     description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--contexts", type=int_list, default=[32768, 65536, 131072], help="n, comma-separated")
     parser.add_argument("--batches", type=int_list, default=[1, 4], help="B, comma-separated")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per method")

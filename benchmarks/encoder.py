@@ -39,7 +39,7 @@ QUERY_HEADS, KV_HEADS, HEAD_DIM, BITS = 32, 8, 128, 32
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.encoder", description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--hidden", type=int, nargs="*", default=[128, 128],
                         help="hidden widths of the MLPs (default: the paper's 128 128)")

@@ -48,7 +48,8 @@ def markdown(record: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ops_cpu",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=32768, help="cached keys N")
     parser.add_argument("--query-heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)

@@ -19,7 +19,8 @@ CASES = {
 
 
 def main(argv=None) -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m tools.cuda_error_probe",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     for name, call in CASES.items():
         code = (f"import torch, hashattention as ha\ntry:\n    {call}\n    print('no error')\n"
                 "except Exception as e:\n    print(type(e).__name__, str(e).splitlines()[0][:100])")

@@ -33,7 +33,8 @@ def bit_agreement(a, b):
 
 
 def main(argv=None):
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m tools.cuda_memcheck_cases",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     if not (torch.cuda.is_available() and ha.WITH_CUDA):
         raise SystemExit("tools.cuda_memcheck_cases needs a GPU and the extension built with its CUDA kernels")
     g = torch.Generator().manual_seed(0)

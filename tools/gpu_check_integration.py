@@ -44,7 +44,7 @@ def report(name: str, ok: bool, detail: str = "") -> bool:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check_integration", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("llama", "mistral", "both"), default="both")
     parser.add_argument("--context", type=int, default=4096, help="prompt tokens (longest sequence)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps compared")

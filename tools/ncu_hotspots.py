@@ -41,7 +41,7 @@ def top_reasons(row, reasons, count=2) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.ncu_hotspots", description=__doc__.splitlines()[0])
     parser.add_argument("csv_file")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()

@@ -30,7 +30,7 @@ QUERY_HEADS, KV_HEADS, HEAD_DIM, SINK, LOCAL = 32, 8, 128, 128, 128
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.profile_ops", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[32768, 131072, 524288])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--sparsity", type=int, nargs="+", default=[32])

@@ -97,7 +97,7 @@ def label(info: Dict[str, object]) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.provenance", description=__doc__.split("\n\n")[0])
     parser.add_argument("--commit", help="digest the sources of this commit instead of the working tree")
     args = parser.parse_args(argv)
     if args.commit:

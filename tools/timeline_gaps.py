@@ -231,7 +231,7 @@ def render(summary: Dict[str, object]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.timeline_gaps", description=__doc__.split("\n")[0])
     parser.add_argument("trace", help="Chrome trace (.json or .json.gz) from torch.profiler's export_chrome_trace")
     parser.add_argument("--steps", type=int, default=1, help="decode steps in the trace (values are per step)")
     parser.add_argument("--floor-us", type=float, default=1.0, help="smallest gap attributed to a source")
