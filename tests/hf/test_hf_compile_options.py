@@ -6,7 +6,7 @@ import torch
 from hashattention.compile_options import decode_compile_options
 from hashattention.inductor_passes import ConcatProjections
 
-from test_inductor_passes import compare_decode_step, frozen_step_gemms
+from test_hf_inductor_passes import compare_decode_step, frozen_step_gemms
 
 
 def test_default_options_and_their_switches():

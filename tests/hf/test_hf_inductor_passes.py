@@ -14,7 +14,7 @@ from hashattention.inductor_passes import ConcatProjections, concat_shared_input
 from hashattention.patching import patch
 
 from hf_models import random_ids, tiny_adapters, tiny_model
-from test_integration import LOGIT_TOLERANCE, PROMPT, make_cache
+from test_hf_integration import LOGIT_TOLERANCE, PROMPT, make_cache
 
 aten = torch.ops.aten
 
