@@ -5,12 +5,15 @@ The C++ sources (schemas + CPU kernels) are always compiled. The CUDA sources in
 deliberately *not* gated on ``torch.cuda.is_available()``, so that machines without
 a GPU (CI, developers' laptops) still compile them and surface CUDA build errors.
 
-Environment switches:
-  HASHATTENTION_CPU_ONLY=1   skip the CUDA sources (quick iteration on C++ only)
-  TORCH_CUDA_ARCH_LIST       GPU architectures to compile for; defaults to "9.0" (Hopper: H100/H200)
-  HASHATTENTION_DEBUG=1      compile with -O0 -g (host) and -lineinfo (device)
-  HASHATTENTION_LIMITED_API=0  build a version-specific module instead of a CPython stable-ABI (abi3) one
-  MAX_JOBS                   parallel compile jobs (ninja); defaults to the number of cores
+Build variables (docs/building.md describes them and the run-time ones):
+  HASHATTENTION_CPU_ONLY=1        skip the CUDA sources (quick iteration on C++ only)
+  TORCH_CUDA_ARCH_LIST            GPU architectures to compile for; defaults to "9.0" (Hopper: H100/H200)
+  HASHATTENTION_DEBUG=1           compile with -O0 -g (host) and -lineinfo (device)
+  HASHATTENTION_LINEINFO=1        add -lineinfo to an optimised device build (Nsight Compute source view)
+  HASHATTENTION_PTXAS_VERBOSE=1   print every kernel's registers and shared memory (-Xptxas=-v)
+  HASHATTENTION_LIMITED_API=0     build a version-specific module instead of a CPython stable-ABI (abi3) one
+  MAX_JOBS                        parallel compile jobs (ninja); defaults to the number of cores
+A switch takes 1 / true / yes / on or 0 / false / no / off.
 """
 
 import glob
@@ -49,8 +52,19 @@ _locate_cuda_home()
 from torch.utils import cpp_extension  # noqa: E402  (reads CUDA_HOME on import)
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+def _flag(name: str, default: bool = False) -> bool:
+    """A build switch: unset or empty gives `default`; 1/true/yes/on and 0/false/no/off, else an error."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1, true, yes, on, 0, false, no or off, got {value!r}")
+
+
+LIMITED_API = _flag("HASHATTENTION_LIMITED_API", default=True)
 
 
 def _want_cuda() -> bool:
@@ -94,8 +108,7 @@ def _extension():
     cxx += ["-fdiagnostics-color=always"]  # the C++ standard is left to torch (C++20 from 2.10)
     if platform.machine() in ("x86_64", "AMD64"):
         cxx.append("-mpopcnt")  # hardware popcount for the Hamming kernels
-    limited_api = os.environ.get("HASHATTENTION_LIMITED_API", "1") != "0"
-    define_macros = [("Py_LIMITED_API", "0x030A0000")] if limited_api else []
+    define_macros = [("Py_LIMITED_API", "0x030A0000")] if LIMITED_API else []
     extra = {"cxx": cxx}
 
     include_dirs = [os.path.join(ROOT, "csrc")]
@@ -105,7 +118,7 @@ def _extension():
         sources += cuda_sources
         define_macros.append(("HASHATTENTION_WITH_CUDA", "1"))
         nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr"]
-        # -lineinfo maps SASS to source lines for Nsight Compute's source page (scripts/ncu_hotspots.py);
+        # -lineinfo maps SASS to source lines for Nsight Compute's source page (tools/ncu_hotspots.py);
         # HASHATTENTION_LINEINFO adds it to an optimised build (HASHATTENTION_DEBUG also drops host -O3).
         nvcc += ["-lineinfo"] if debug or _flag("HASHATTENTION_LINEINFO") else []
         nvcc += ["-Xptxas=-v"] if _flag("HASHATTENTION_PTXAS_VERBOSE") else []
@@ -120,12 +133,12 @@ def _extension():
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args=extra,
-        py_limited_api=limited_api,
+        py_limited_api=LIMITED_API,
     )
 
 
 setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp310"}} if os.environ.get("HASHATTENTION_LIMITED_API", "1") != "0" else {},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}} if LIMITED_API else {},
 )

@@ -7,9 +7,7 @@
 // messages: the composition through the dispatcher, for CPU and CUDA tensors alike (each inner op
 // takes its own device's kernels). A one-launch CUDA path, in which the selection kernel computed the
 // signatures itself, was measured in three versions and never beat the two launches (H100, B = 2 /
-// 128K: 9.04-9.16 and 9.126 ms per step against 8.80 and 9.111;
-// benchmarks/results/ab_fused_selection_20261205_s37.md and ..._s38.md); it was removed, and is in
-// the history at f04fdfb.
+// 128K: 9.04-9.16 and 9.126 ms per step against 8.80 and 9.111), so there is none.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

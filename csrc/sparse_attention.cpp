@@ -62,7 +62,7 @@ inline float dot_with_query(const float* q, const scalar_t* k, int64_t d) {
 // Software prefetch of the row kPrefetchAhead entries further down the index list. The selected
 // rows are scattered over the cache, so the hardware prefetchers cannot guess them, and each row
 // was a DRAM round trip of its own: gathering 2,048 random rows of 32K per head took 7x as long as
-// the first 2,048 (benchmarks/results/bench_ops_cpu_20261202.md, 2-core x86 VM).
+// the first 2,048 (benchmarks/ops_cpu.py, 2-core x86 VM).
 constexpr int64_t kPrefetchAhead = 8;
 
 template <typename scalar_t>

@@ -25,26 +25,11 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda_common.cuh"
-#include "encode_choice.h"
 
 namespace hashattention {
 namespace cuda {
-
-EncoderChoice encoder_choice_from_environment() {
-  const char* value = std::getenv("HASHATTENTION_ENCODER");
-  if (value == nullptr || *value == '\0') return EncoderChoice::kAuto;
-  if (std::strcmp(value, "mma") == 0) return EncoderChoice::kMma;
-  if (std::strcmp(value, "fma") == 0) return EncoderChoice::kFma;
-  if (std::strcmp(value, "cluster2") == 0) return EncoderChoice::kCluster2;
-  if (std::strcmp(value, "cluster4") == 0) return EncoderChoice::kCluster4;
-  if (std::strcmp(value, "skip") == 0) return EncoderChoice::kSkip;
-  TORCH_CHECK(false, "HASHATTENTION_ENCODER must be fma, mma, cluster2, cluster4 or skip (a timing aid), got '", value,
-              "'");
-}
 
 namespace {
 

@@ -72,7 +72,7 @@ __device__ __forceinline__ float activate(float v, int activation) {
 // Bulk copies (sm_90 TMA): one instruction moves a contiguous block from global to shared memory
 // and counts its bytes on an mbarrier. One thread issues two per layer (weights, bias) where 256
 // threads issued 4,600 16-byte cp.async and the bias loads: fewer instructions ahead of the first
-// layer (bench_encode.py B = 1: 9.3 -> 8.5 us per pair launch, H200).
+// layer (benchmarks/encoder.py, B = 1: 9.3 -> 8.5 us per pair launch, H200).
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
   return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
 }

@@ -11,7 +11,7 @@
 // compute output units from shared memory in float32. A layer narrower than the block splits
 // its inputs into runs, one per group of fan_out threads, whose partial sums are added in run
 // order: every thread works and the dependent fma chains are shorter (B = 4: 17.1 -> 13.3 us
-// per launch in scripts/bench_encode.py; B = 8: 28.8 -> 19.2). The last layer's signs become
+// per launch in benchmarks/encoder.py; B = 8: 28.8 -> 19.2). The last layer's signs become
 // int32 words through warp ballots. Larger inputs
 // (prefill) stay on the cuBLAS path, where the matrix products run on tensor cores.
 //
@@ -22,7 +22,7 @@
 // biases are requested at once (bulk copies where aligned, else cp.async), the input rows load
 // while they arrive, and there is one wait. After that the time is the warps' instruction chains,
 // so per-layer constants (runs, the divider of a thread's run) come from the host: no thread
-// divides (B = 1: 9.3 -> 7.5 us per pair launch, bench_encode_20261202_s14.md).
+// divides (B = 1: 9.3 -> 7.5 us per pair launch, H200).
 //
 // A decode step encodes its query rows and its new key rows; at batch 1 each launch is ~9.5 us of
 // latency (H200), so encode_signatures_pair runs both problems in ONE launch: the kernel takes two
@@ -36,10 +36,10 @@
 #include <vector>
 
 #include "cuda_common.cuh"
-#include "encode_choice.h"
 #include "encode_cluster.h"
 #include "encode_common.cuh"
 #include "encode_mma.h"
+#include "environment_overrides.h"
 
 namespace hashattention {
 namespace cuda {
@@ -50,14 +50,14 @@ using namespace encode;
 // Threads per block. The kernel is a chain of short dependent steps (stage, layer, layer, ...), so
 // its time is the length of one warp's instruction chain, not bytes: Nsight Compute at B = 1 shows
 // IPC ~1 per multiprocessor and ~2,000 instructions per warp (H200). 1024 threads were slower than
-// 256 (bench_encode.py B = 1: 10.1 against 8.5 us per pair launch, both with bulk copies): the
+// 256 (benchmarks/encoder.py, B = 1: 10.1 against 8.5 us per pair launch, both with bulk copies): the
 // per-warp fixed work does not shrink, the partial sums to add grow.
 constexpr int kEncodeThreads = 256;
 constexpr int kRowsPerBlock = 8;            // most rows of one head per block (accumulators per thread)
 constexpr int64_t kMaxWidth = 1024;         // widest layer kept in shared memory
 constexpr int64_t kMaxRows = 64;            // rows per head (batch * tokens) up to which the fused path runs
 // Rows per head up to which the automatic choice splits each head over a cluster of 2 blocks
-// (encode_cluster.cu; bench_encode_20261204_s23.md: B = 1 / 4 7.39 / 9.39 us per pair launch
+// (encode_cluster.cu; benchmarks/encoder.py, H200: B = 1 / 4 7.39 / 9.39 us per pair launch
 // against 7.72 / 11.39 here; at B = 8 the tensor-core kernel's 10.99 beats its 11.56).
 constexpr int64_t kMaxAutoClusterRows = 4;
 constexpr int64_t kStageBytes = 64 * 1024;  // weights staged per round trip when not all fit at once
@@ -365,10 +365,11 @@ void launch_rows(const FusedMlpLaunch& launch, int problems, at::ScalarType x_ty
 // blocks of one head only re-read its weights from L2; so a decode step at B = 4 (a pair launch:
 // 64 heads) runs 256 one-row blocks, and prefill-sized row counts take 8 rows per block.
 void launch_fused(const FusedMlpLaunch& launch, int problems, at::ScalarType x_type, at::ScalarType weight_type) {
-  // Up to kMaxAutoClusterRows rows per head, or when HASHATTENTION_ENCODER=cluster2 / cluster4 (a
-  // timing aid) asks for it: each head split over a cluster of blocks (encode_cluster.cu), wherever
-  // that kernel applies (sm_90, float16 / bfloat16, power-of-two widths up to 256).
-  const EncoderChoice choice = encoder_choice_from_environment();
+  // Up to kMaxAutoClusterRows rows per head, or when HASHATTENTION_ENCODER=cluster2 / cluster4
+  // asks for it: each head split over a cluster of blocks (encode_cluster.cu), wherever that kernel
+  // applies (sm_90, float16 / bfloat16, power-of-two widths up to 256).
+  using environment::EncoderChoice;
+  const EncoderChoice choice = environment::encoder_choice();
   int64_t most_rows = 0;
   for (int i = 0; i < problems; ++i) most_rows = std::max(most_rows, launch.problems[i].rows);
   const bool cluster = choice == EncoderChoice::kCluster2 || choice == EncoderChoice::kCluster4 ||

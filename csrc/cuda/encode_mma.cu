@@ -3,7 +3,7 @@
 // The float32 kernel (encode_fused.cu) computes each output unit as a chain of FMAs over its
 // inputs; its time was that chain, not bytes (Nsight Compute, B = 1: ~2,000 instructions per warp
 // at IPC ~1; 7.5 us per pair launch at B = 1 and 10.4 at B = 4, where one block per head and row
-// re-stages the head's weights: bench_encode_20261202_s14.md). Here one block takes every row of
+// re-stages the head's weights: benchmarks/encoder.py, H200). Here one block takes every row of
 // one head (up to 16: one m16 tile) and each warp computes 16-column slices of a layer with
 // mma.sync m16n8k16 (bf16 in, float32 accumulate): a 128 -> 128 layer is 8 k-steps of 4 MMAs per
 // warp instead of 128 dependent FMAs per thread, and more rows cost nothing.
@@ -19,14 +19,13 @@
 // would put all eight rows of an 8x8 matrix in the same four banks).
 #include "encode_mma.h"
 
-#include <cstdlib>
-#include <cstring>
+#include <algorithm>
 #include <type_traits>
 
 #include <cuda_bf16.h>
 
 #include "cuda_common.cuh"
-#include "encode_choice.h"
+#include "environment_overrides.h"
 
 namespace hashattention {
 namespace cuda {
@@ -40,7 +39,7 @@ constexpr int kTileRows = 16;        // rows of one head per block: one m16 tile
 // Up to this many rows per head the float32 kernel is as fast or faster: this kernel's time is
 // ~10 us at any row count (not yet profiled: the cp.async staging and the prologue are the first
 // suspects), the float32 one's grows with the rows
-// (scripts/bench_encode.py, H200, pair launch of the paper's MLP on 32 + 32 heads, float32 / this
+// (benchmarks/encoder.py, H200, pair launch of the paper's MLP on 32 + 32 heads, float32 / this
 // kernel: 7.5 / 9.9 us at B = 1, 10.3 / 10.1 at 4, 12.1 / 10.2 at 8, 14.7 / 10.5 at 16).
 constexpr int64_t kMinMmaRows = 4;
 constexpr int kMaxMmaWidth = 256;    // widest layer: at most two 16-column slices per warp
@@ -310,11 +309,11 @@ bool launch_encode_mma(const FusedMlpLaunch& work, int problems, at::ScalarType 
   if (x_type != at::kFloat && x_type != at::kHalf && x_type != at::kBFloat16) return false;
   // Unset (or a cluster choice that did not apply): this kernel for more than kMinMmaRows rows per
   // head; "mma" wherever it applies; "fma" never.
-  const EncoderChoice choice = encoder_choice_from_environment();
-  if (choice == EncoderChoice::kFma) return false;
+  const environment::EncoderChoice choice = environment::encoder_choice();
+  if (choice == environment::EncoderChoice::kFma) return false;
   int64_t rows = 0;
   for (int i = 0; i < problems; ++i) rows = std::max(rows, work.problems[i].rows);
-  if (choice != EncoderChoice::kMma && rows <= kMinMmaRows) return false;
+  if (choice != environment::EncoderChoice::kMma && rows <= kMinMmaRows) return false;
   MmaLaunch launch{};
   launch.work = work;
   int64_t staged = 0;

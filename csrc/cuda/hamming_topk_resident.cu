@@ -20,14 +20,14 @@
 //            offset from the other warps' counts and writes its entries in position order
 //            (RegisterEntries; 64K-position chunks read the segment twice, counting, then
 //            writing with one warp scan per step).
-// Measured phases (scripts/probe_selection.py, H200, B = 4, 128K, 32 heads, 32x, 38.8 us in
-// all): scoring 24.4 us (2.75 TB/s over the signatures), barrier 0.9, threshold 2.0, warp counts
-// 2.2, writes 9.2. The write pass's time follows the number of entries, not positions (B = 1 at
-// 512K, the same number of entries, 7.6 us). A try that staged each warp's entries in shared
-// memory for contiguous stores measured the same 9.1 us, but it failed tests (dropped), so whether
-// the scattered stores are the cause is open. The version before this one (thread-contiguous runs in phase 2, whose
-// lanes' write loops had different trip counts, and one block scan) took 41.3 us. "scoring"
-// includes the launch and the prologue.
+// Phase times with the two-pass phase 2 (the kernel stopped after each phase; H200, B = 4, 128K,
+// 32 heads, 32x, 38.8 us in all): scoring 24.4 us (2.75 TB/s over the signatures; it includes the
+// launch and the prologue), barrier 0.9, threshold 2.0, warp counts 2.2, writes 9.2. The write
+// pass's time follows the number of entries, not positions (B = 1 at 512K, the same number of
+// entries, 7.6 us). Staging each warp's entries in shared memory for contiguous stores measured the
+// same 9.1 us (and was not kept), so whether the scattered stores cost that time is open.
+// Thread-contiguous runs in phase 2 (lanes' write loops of different trip counts) with one block
+// scan took 41.3 us.
 // Distances, not scores, are counted: the best candidates have the smallest distance, so the
 // counting runs from bin 0 upwards. Same output as every other path: position-sorted, ties at
 // the threshold go to the later positions, windows, padding and counts as in
@@ -39,10 +39,9 @@
 #include <cooperative_groups.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <iterator>
-#include <string>
+
+#include "environment_overrides.h"
 
 namespace hashattention {
 namespace cuda {
@@ -52,66 +51,6 @@ namespace cg = cooperative_groups;
 
 constexpr unsigned kByteHigh = 0x80808080u;  // bit 7 of each byte
 constexpr int kLoadBatch = 4;                // 16-byte loads per thread and batch
-
-// Timing probes (HASHATTENTION_SELECTION_PROBE=scoring|barrier|threshold|counts, used by
-// scripts/probe_selection.py): the kernel stops after phase 1, the grid barrier, the threshold or
-// the warps' entry counts and leaves its output unwritten, so that the phases can be timed apart.
-// Never set outside that script.
-constexpr int kProbeOff = 0, kProbeAfterScoring = 1, kProbeAfterBarrier = 2, kProbeAfterThreshold = 3,
-              kProbeAfterCounts = 4;
-// Diagnostic variants of the whole kernel (wrong output, timing only): "nostores" runs phase 2 in
-// full but predicates off its position stores; "nosplit" writes the boundary chunk as if it kept
-// all or none of its ties (the uniform path), so the cost of the boundary blocks shows apart.
-constexpr int kProbeNoStores = 5, kProbeNoSplit = 6;
-// "twopass" (correct output): phase 2 takes the general two-pass path at every chunk size instead of
-// the register path, for same-build A/B timings.
-constexpr int kProbeTwoPass = 7;
-
-// Per-block timeline (HASHATTENTION_SELECTION_TIMELINE=<device address>, set by
-// scripts/probe_selection.py --timeline; never otherwise): each block of a launch writes
-// kTimelineWords ints at timeline[linear block index * kTimelineWords]: its multiprocessor (bits
-// 0-15; bit 16 set for a boundary chunk that splits its ties; its chunk index from bit 17),
-// %globaltimer's low word at its start, its clock64 cycles from the start to the end of phase 1, the grid barrier, the threshold, the
-// warps' offsets and the end of its writes, and %globaltimer's low word at its end. Blocks that
-// leave phase 2 early write nothing.
-constexpr int kTimelineWords = 8;
-
-struct BlockTimeline {
-  int32_t* out;  // nullptr: off
-  long long start_cycles = 0;
-  unsigned start_ns = 0;
-  int cycles[5] = {0, 0, 0, 0, 0};
-
-  static __device__ __forceinline__ unsigned global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return static_cast<unsigned>(t);
-  }
-  __device__ __forceinline__ void begin() {
-    if (out != nullptr && threadIdx.x == 0) {
-      start_ns = global_ns();
-      start_cycles = clock64();
-    }
-  }
-  __device__ __forceinline__ void mark(int k) {
-    if (out != nullptr && threadIdx.x == 0) cycles[k] = static_cast<int>(clock64() - start_cycles);
-  }
-  // Call from every thread (a barrier: the block's writes are issued before its end is taken).
-  __device__ __forceinline__ void finish(bool split, int chunk_index) {
-    if (out == nullptr) return;
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    mark(4);
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const int64_t block = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
-    int32_t* o = out + block * kTimelineWords;
-    o[0] = static_cast<int32_t>(sm | (split ? 1u << 16 : 0u) | unsigned(chunk_index) << 17);
-    o[1] = static_cast<int32_t>(start_ns);
-    for (int k = 0; k < 5; ++k) o[2 + k] = cycles[k];
-    o[7] = static_cast<int32_t>(global_ns());
-  }
-};
 
 // Bit 7 of byte i is set when byte i of x == byte i of y.
 __device__ __forceinline__ unsigned bytes_equal(unsigned x, unsigned y) {
@@ -241,8 +180,8 @@ __device__ __forceinline__ void score_batch(const unsigned (&q)[kGroup], const C
 // it, get their own distances. Scoring every chunk alike and correcting its edges here replaced
 // a masked scoring path for the first and last chunks of a row, which ran ~40% slower than the
 // interior one (H200, B = 4 / 128K / 32x per query head: 22-27 us of phase 1 for those blocks
-// against 13-20 us for the others, per-block timelines of scripts/probe_selection.py --timeline)
-// and so set when every block passed the grid barrier. Call from every thread, after a barrier.
+// against 13-20 us for the others, per-block timings) and so set when every block passed the grid
+// barrier. Call from every thread, after a barrier.
 template <int kGroup>
 __device__ __forceinline__ void mask_chunk_edges(const unsigned (&q)[kGroup], const int32_t* key_row, int base,
                                                  int chunk, int lo, int hi, int keys4, unsigned* distance_words,
@@ -271,9 +210,9 @@ __device__ __forceinline__ void mask_chunk_edges(const unsigned (&q)[kGroup], co
 // Phase 1 of a block. Double-buffered with two register batches A and B and no copies between
 // them: B's loads are issued before A is scored, A's next loads before B is scored, so a thread
 // always has one or two batches in flight. Batch A of the first pass is loaded by the caller
-// (before the row's window is read). An earlier version guarded the prefetch with a branch and
-// copied next -> current; the compiler turned the copy into selects that waited for the loads just
-// issued, and a version that scored B behind a branch had ptxas move B's loads into that branch,
+// (before the row's window is read). With the prefetch behind a branch and a copy next -> current,
+// the compiler turned the copy into selects that waited for the loads just issued, and with B
+// scored behind a branch ptxas moved B's loads into that branch,
 // just before their use: either way one batch was in flight (Nsight Compute: a third of the warp
 // stalls on those instructions).
 template <int kGroup>
@@ -293,12 +232,11 @@ __device__ __forceinline__ void score_chunk(const unsigned (&q)[kGroup], const C
 }
 
 // Writes position + i to o[0], o[1], ... for each set bit i of `bits`, lowest first.
-__device__ __forceinline__ void write_positions(unsigned bits, int position, int32_t* o, bool stores) {
+__device__ __forceinline__ void write_positions(unsigned bits, int position, int32_t* o) {
   while (bits != 0) {
     const int bit = __ffs(bits) - 1;
     bits &= bits - 1;
-    if (stores) *o = position + bit;
-    ++o;
+    *o++ = position + bit;
   }
 }
 
@@ -335,7 +273,7 @@ __device__ __forceinline__ unsigned kept_ties(unsigned ties, int tie_rank, int c
 template <int kGroup, bool kSplitTies>
 __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int first_vector, int steps, int first_position,
                                                    unsigned limit_bytes, unsigned threshold_bytes, int chunk_skip,
-                                                   int better_base, int ties_base, int32_t* out, bool stores) {
+                                                   int better_base, int ties_base, int32_t* out) {
   const int lane = threadIdx.x & 31;
   for (int step = 0; step < steps; ++step) {
     const int vector = first_vector + step * 32 + lane;
@@ -352,14 +290,14 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
     const unsigned before = inclusive - own, step_total = __shfl_sync(0xffffffffu, inclusive, 31);
     const int position = first_position + vector * 16;
     if constexpr (!kSplitTies) {
-      write_positions(better, position, out + better_base + int(before), stores);
+      write_positions(better, position, out + better_base + int(before));
     } else {
       // Every lane writes its kept entries consecutively from better entries before it + kept
       // ties before it, as the uniform path does. (Deciding tie by tie instead made the boundary
-      // blocks' writes ~1.8x the others' at B = 4 / 128K, scripts/probe_selection.py --timeline.)
+      // blocks' writes ~1.8x the others' at B = 4 / 128K, per-block timings.)
       const int tie_rank = ties_base + int(before >> 16);
-      write_positions(better | kept_ties(ties, tie_rank, chunk_skip), position, out + better_base + int(before & 0xffffu) + max(tie_rank - chunk_skip, 0),
-                      stores);
+      write_positions(better | kept_ties(ties, tie_rank, chunk_skip), position,
+                      out + better_base + int(before & 0xffffu) + max(tie_rank - chunk_skip, 0));
     }
     better_base += int(step_total & 0xffffu);
     ties_base += int(step_total >> 16);
@@ -367,14 +305,14 @@ __device__ __forceinline__ void write_warp_entries(const uint4* vectors, int fir
 }
 
 // Phase 2 of one warp for chunks of at most kMaxRegisterSteps 512-position steps per warp (chunks
-// up to 32K positions, which every decode shape of bench_decode.py / bench_generate.py uses): ONE
+// up to 32K positions, which every decode shape of the benchmarks uses): ONE
 // pass over the warp's distance bytes keeps each lane's entry masks in registers (16 bits of
 // entries and, in the boundary chunk, 16 bits of ties at T per step), the lanes' counts of all
 // steps are scanned together (three steps per 32-bit word, a 10-bit field each: a step's count over
 // the warp is at most 512), and the writes come from the registers. The general path
 // (the kernel's counting loop + write_warp_entries) reads the bytes twice, recomputes the flags and scans
 // once per step; phase 2 runs with DRAM idle and is bound by its instruction count (H200, B = 4 /
-// 128K / 32x per query head: counts 2.0 + writes 7.7 us of the 33.7, probe_selection_20261203.md).
+// 128K / 32x per query head, two-pass: counts 2.0 + writes 7.7 us of the 33.7).
 constexpr int kMaxRegisterSteps = 8;
 constexpr int kFieldBits = 10;
 constexpr unsigned kFieldMask = (1u << kFieldBits) - 1;
@@ -476,7 +414,7 @@ struct RegisterEntries {
   // Writes the entries in position order, the warp's better entries from out[better_base] and its
   // ties numbered from ties_base, as write_warp_entries does.
   __device__ __forceinline__ void write(int first_vector, int first_position, int chunk_skip, int better_base,
-                                        int ties_base, int32_t* out, bool stores) const {
+                                        int ties_base, int32_t* out) const {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int s = 0; s < kMaxRegisterSteps; ++s) {
@@ -485,11 +423,11 @@ struct RegisterEntries {
         const unsigned better = masks[s] & 0xffffu;
         const int before = static_cast<int>(better_before.get(s));
         if constexpr (!kSplitTies) {
-          write_positions(better, position, out + better_base + before, stores);
+          write_positions(better, position, out + better_base + before);
         } else {  // the boundary chunk: as in write_warp_entries
           const int tie_rank = ties_base + static_cast<int>(ties_before.get(s));
           write_positions(better | kept_ties(masks[s] >> 16, tie_rank, chunk_skip), position,
-                          out + better_base + before + max(tie_rank - chunk_skip, 0), stores);
+                          out + better_base + before + max(tie_rank - chunk_skip, 0));
         }
         better_base += static_cast<int>(better_total.get(s));
         if constexpr (kSplitTies) ties_base += static_cast<int>(ties_total.get(s));
@@ -500,15 +438,13 @@ struct RegisterEntries {
 
 // Publishes each warp's entry counts (better entries, ties) in shared memory and returns those of the
 // warps before it: the warp's offsets within the chunk. Call from every thread.
-__device__ __forceinline__ int2 warp_offsets_in_chunk(int better, int ties, int32_t* warp_better, int32_t* warp_ties,
-                                                      BlockTimeline& timeline) {
+__device__ __forceinline__ int2 warp_offsets_in_chunk(int better, int ties, int32_t* warp_better, int32_t* warp_ties) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) {
     warp_better[warp] = better;
     warp_ties[warp] = ties;
   }
   __syncthreads();
-  timeline.mark(3);
   int2 before = make_int2(0, 0);
 #pragma unroll
   for (int v = 0; v < kWarps; ++v) {
@@ -518,20 +454,16 @@ __device__ __forceinline__ int2 warp_offsets_in_chunk(int better, int ties, int3
   return before;
 }
 
-// Phase 2 after the threshold, register path (see RegisterEntries). Returns false when the timing
-// probe stops the kernel after the counts. Call from every thread.
+// Phase 2 after the threshold, register path (see RegisterEntries). Call from every thread.
 template <int kGroup, bool kSplitTies>
-__device__ __forceinline__ bool count_and_write_from_registers(const uint4* vectors, int first_vector, int steps,
+__device__ __forceinline__ void count_and_write_from_registers(const uint4* vectors, int first_vector, int steps,
                                                                int first_position, unsigned limit_bytes,
                                                                unsigned threshold_bytes, int chunk_skip, int32_t* out,
-                                                               int32_t* warp_better, int32_t* warp_ties,
-                                                               int probe_stop, BlockTimeline& timeline) {
+                                                               int32_t* warp_better, int32_t* warp_ties) {
   RegisterEntries<kGroup, kSplitTies> entries;
   entries.count(vectors, first_vector, steps, limit_bytes, threshold_bytes);
-  if (probe_stop == kProbeAfterCounts) return false;
-  const int2 before = warp_offsets_in_chunk(entries.warp_better(), entries.warp_ties(), warp_better, warp_ties, timeline);
-  entries.write(first_vector, first_position, chunk_skip, before.x, before.y, out, probe_stop != kProbeNoStores);
-  return true;
+  const int2 before = warp_offsets_in_chunk(entries.warp_better(), entries.warp_ties(), warp_better, warp_ties);
+  entries.write(first_vector, first_position, chunk_skip, before.x, before.y, out);
 }
 
 // Five resident blocks per multiprocessor (48 registers, no spills; 64 without the bound): a static
@@ -544,8 +476,7 @@ constexpr int kMinResidentBlocks = 5;
 // Dynamic shared memory: `chunk` distance bytes.
 template <int kGroup>
 __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
-    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms,
-                           int probe_stop, int32_t* timeline_out) {
+    resident_select_kernel(SelectionParams p, HammingSource src, int chunk, int2 offset, int32_t* histograms) {
   using Bytes = DistanceBytes<kGroup>;
   using Counters = PhaseOneCounters<kGroup>;
   constexpr int kBins = Counters::kBins;    // possible distances
@@ -560,8 +491,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   __shared__ int64_t row_better, row_better_before, row_ties_before, row_ties;
   const Counters counters{counter_words};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  BlockTimeline timeline{timeline_out};
-  timeline.begin();
 
   const BlockCoordinates at = block_coordinates(p, chunk, offset);  // offset: (head row, batch) of the slice
   const int chunks = static_cast<int>(gridDim.x);
@@ -611,14 +540,10 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     }
   }
 
-  if (probe_stop == kProbeAfterScoring) return;
-  timeline.mark(0);
   cg::this_grid().sync();  // every chunk histogram is written (the barrier orders memory too)
   // The attention after this kernel (launched programmatically) may now be scheduled: its blocks
   // take the multiprocessors as this grid's blocks leave, and wait for all of its writes.
   allow_dependent_launch();
-  timeline.mark(1);
-  if (probe_stop == kProbeAfterBarrier) return;
 
   // ---- phase 2: threshold, then ordered compaction from shared memory ----
   if (at.chunk_index == 0) write_fixed_part_of_row(p, at.row, w);
@@ -704,8 +629,6 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
     }
   }
   __syncthreads();
-  timeline.mark(2);
-  if (probe_stop == kProbeAfterThreshold) return;
   const int threshold = row_threshold;
   const int64_t skip = row_ties - (m - row_better);  // the earliest ties at T are dropped
   const int64_t ties_before = row_ties_before;
@@ -715,24 +638,21 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   // stops either keeps all its ties or none: there, an entry is a distance below a limit (T + 1 or
   // T); only that boundary chunk counts better entries and ties apart.
   const int chunk_ties = chunk_histogram[threshold];
-  const bool split = probe_stop != kProbeNoSplit &&
-                     !(ties_before >= skip || ties_before + chunk_ties <= skip);  // block-uniform
+  const bool split = !(ties_before >= skip || ties_before + chunk_ties <= skip);  // block-uniform
   const int limit = !split && ties_before >= skip ? threshold + 1 : threshold;  // split: better entries only
   const int vectors_per_warp = chunk / (16 * kWarps), steps = vectors_per_warp / 32;
   const int first_vector = warp * vectors_per_warp;
   const uint4* vectors = dynamic_smem;
 
   const unsigned limit_bytes = unsigned(limit) * 0x01010101u, threshold_bytes = unsigned(threshold) * 0x01010101u;
-  if (steps <= kMaxRegisterSteps && probe_stop != kProbeTwoPass) {  // block-uniform
-    const int chunk_skip = split ? static_cast<int>(skip - ties_before) : 0;
-    const bool finished =
-        split ? count_and_write_from_registers<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes,
-                                                             threshold_bytes, chunk_skip, out, warp_better, warp_ties,
-                                                             probe_stop, timeline)
-              : count_and_write_from_registers<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes,
-                                                              threshold_bytes, 0, out, warp_better, warp_ties,
-                                                              probe_stop, timeline);
-    if (finished) timeline.finish(split, at.chunk_index);
+  if (steps <= kMaxRegisterSteps) {  // block-uniform
+    if (split) {
+      count_and_write_from_registers<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes,
+                                                   static_cast<int>(skip - ties_before), out, warp_better, warp_ties);
+    } else {
+      count_and_write_from_registers<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes,
+                                                    threshold_bytes, 0, out, warp_better, warp_ties);
+    }
     return;
   }
 
@@ -750,18 +670,15 @@ __global__ void __launch_bounds__(kThreads, kMinResidentBlocks)
   }
   const int warp_better_count = static_cast<int>(__reduce_add_sync(0xffffffffu, better));
   const int warp_tie_count = split ? static_cast<int>(__reduce_add_sync(0xffffffffu, ties)) : 0;
-  if (probe_stop == kProbeAfterCounts) return;
-  const int2 before = warp_offsets_in_chunk(warp_better_count, warp_tie_count, warp_better, warp_ties, timeline);
+  const int2 before = warp_offsets_in_chunk(warp_better_count, warp_tie_count, warp_better, warp_ties);
   const int better_base = before.x, ties_base = before.y;
   if (!split) {
     write_warp_entries<kGroup, false>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes, 0,
-                                      better_base, 0, out, probe_stop != kProbeNoStores);
+                                      better_base, 0, out);
   } else {
     write_warp_entries<kGroup, true>(vectors, first_vector, steps, at.base, limit_bytes, threshold_bytes,
-                                     static_cast<int>(skip - ties_before), better_base, ties_base, out,
-                                     probe_stop != kProbeNoStores);
+                                     static_cast<int>(skip - ties_before), better_base, ties_base, out);
   }
-  timeline.finish(split, at.chunk_index);
 }
 
 // Chunk sizes: 4096 positions (one 512-position batch per warp, and one 512-position phase-2
@@ -774,63 +691,9 @@ constexpr int kChunkSizes[] = {4096, 8192, 16384, 32768, 65536};
 // A row's last chunk counts by the share of its positions: a model's static cache holds n +
 // decode-step slots (131,200 for n = 128K), and counting that nearly empty fifth 32K chunk per row
 // as a whole block pushed the grid to 64K chunks -- about 2 working blocks per multiprocessor
-// instead of 4 -- which made the selection 28% slower at B = 4 and 20% at B = 1 (H200,
-// scripts/probe_selection.py --per-sequence: 38.5 -> 49-51 us and 14.8 -> 17.9 us at 128K).
+// instead of 4 -- which made the selection 28% slower at B = 4 and 20% at B = 1 (H200, per-sequence
+// lengths: 38.5 -> 49-51 us and 14.8 -> 17.9 us at 128K).
 constexpr int kPreferredBlocksPerSm = 4;
-
-int selection_probe() {
-  const char* probe = std::getenv("HASHATTENTION_SELECTION_PROBE");
-  if (probe == nullptr || *probe == '\0') return kProbeOff;
-  if (std::strcmp(probe, "scoring") == 0) return kProbeAfterScoring;
-  if (std::strcmp(probe, "barrier") == 0) return kProbeAfterBarrier;
-  if (std::strcmp(probe, "threshold") == 0) return kProbeAfterThreshold;
-  if (std::strcmp(probe, "counts") == 0) return kProbeAfterCounts;
-  if (std::strcmp(probe, "nostores") == 0) return kProbeNoStores;
-  if (std::strcmp(probe, "nosplit") == 0) return kProbeNoSplit;
-  if (std::strcmp(probe, "twopass") == 0) return kProbeTwoPass;
-  TORCH_CHECK(false, "HASHATTENTION_SELECTION_PROBE must be scoring, barrier, threshold, counts, nostores, nosplit "
-              "or twopass (a timing aid), got '",
-              probe, "'");
-}
-
-// HASHATTENTION_SELECTION_TIMELINE=<device address> (scripts/probe_selection.py --timeline): where
-// the blocks write their timelines (see BlockTimeline); nullptr: unset.
-int32_t* selection_timeline() {
-  const char* value = std::getenv("HASHATTENTION_SELECTION_TIMELINE");
-  if (value == nullptr || *value == '\0') return nullptr;
-  char* end = nullptr;
-  const unsigned long long address = std::strtoull(value, &end, 10);
-  TORCH_CHECK(end != value && *end == '\0' && address != 0 && address % 4 == 0,
-              "HASHATTENTION_SELECTION_TIMELINE must be the decimal device address of an int32 buffer (a timing aid), "
-              "got '", value, "'");
-  return reinterpret_cast<int32_t*>(static_cast<uintptr_t>(address));
-}
-
-// HASHATTENTION_SELECTION_CHUNK=<positions> (tests): only that chunk size is considered; when its
-// grid is not resident the problem is cut into grid slices (or, when one row does not fit, takes
-// the chunked path). 0: unset.
-int forced_chunk_size() {
-  const char* value = std::getenv("HASHATTENTION_SELECTION_CHUNK");
-  if (value == nullptr || *value == '\0') return 0;
-  for (int size : kChunkSizes) {
-    if (std::to_string(size) == value) return size;
-  }
-  TORCH_CHECK(false, "HASHATTENTION_SELECTION_CHUNK must be one of 4096, 8192, 16384, 32768, 65536 (a test aid), got '",
-              value, "'");
-}
-
-// HASHATTENTION_SELECTION_RESIDENT_BLOCKS=<blocks> (tests): the grid may hold at most this many
-// resident blocks, fewer than the GPU would take, so that small problems are cut into grid slices
-// as large ones are. 0: unset.
-int64_t forced_resident_blocks() {
-  const char* value = std::getenv("HASHATTENTION_SELECTION_RESIDENT_BLOCKS");
-  if (value == nullptr || *value == '\0') return 0;
-  char* end = nullptr;
-  const long long blocks = std::strtoll(value, &end, 10);
-  TORCH_CHECK(end != value && *end == '\0' && blocks > 0,
-              "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive block count (a test aid), got '", value, "'");
-  return blocks;
-}
 
 // How one launch of a grid of `slice_rows` rows is cut: the chunk size (index into kChunkSizes), or
 // -1 when no chunk size makes every block resident.
@@ -847,8 +710,12 @@ ChunkChoice choose_chunk(const SelectionParams& p, int64_t slice_rows) {
   // architecture, so asked from the driver once (-1: not yet).
   static std::atomic<int> resident_per_sm[] = {-1, -1, -1, -1, -1};
   static_assert(std::size(resident_per_sm) == std::size(kChunkSizes), "one count per chunk size");
-  const int forced_chunk = forced_chunk_size();
-  const int64_t forced_blocks = forced_resident_blocks();
+  // Tests only (environment_overrides.h): HASHATTENTION_SELECTION_CHUNK considers that chunk size
+  // alone (a grid that is not resident is then cut into slices, or a row that does not fit takes
+  // the chunked path); HASHATTENTION_SELECTION_RESIDENT_BLOCKS caps the resident blocks, so that
+  // small problems are cut into grid slices as large ones are.
+  const int forced_chunk = environment::selection_chunk_size(kChunkSizes);
+  const int64_t forced_blocks = environment::selection_resident_blocks().value_or(0);
   ChunkChoice choice;
   bool preferred = false;
   for (size_t i = 0; i < std::size(kChunkSizes); ++i) {
@@ -907,14 +774,12 @@ bool launch_for_group(const SelectionParams& p, const HammingSource& src, int64_
   int32_t* histograms = workspace.data_ptr<int32_t>();
   SelectionParams params = p;
   HammingSource source = src;
-  int probe_stop = selection_probe();
-  int32_t* timeline = selection_timeline();
   const auto stream = at::cuda::getCurrentCUDAStream();
   const bool programmatic = programmatic_launch_allowed(reinterpret_cast<const void*>(kernel));
   for (int64_t z = 0; z < batches; z += slice_batches) {
     for (int64_t y = 0; y < head_rows; y += slice_head_rows) {
       int2 offset = make_int2(static_cast<int>(y), static_cast<int>(z));
-      void* args[] = {&params, &source, &chunk, &offset, &histograms, &probe_stop, &timeline};
+      void* args[] = {&params, &source, &chunk, &offset, &histograms};
       const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min(slice_head_rows, head_rows - y)),
                       static_cast<unsigned>(std::min(slice_batches, batches - z)));
       // Cooperative (every block resident: the grid barrier cannot deadlock) and, where allowed,
@@ -940,8 +805,7 @@ bool supports_cooperative_launch() {
 
 bool launch_hamming_topk_resident(const SelectionParams& p, const HammingSource& src, int64_t row_count,
                                   const at::Tensor& like) {
-  const char* path = std::getenv("HASHATTENTION_SELECTION");
-  if (path != nullptr && std::strcmp(path, "chunked") == 0) return false;
+  if (environment::selection_chunked_only()) return false;
   // p.keys >= 4: phase 1 reads whole 16-byte groups of the signatures (see ChunkLoads).
   if (src.words != 1 || !src.vector_keys || !src.shared_key_head || p.keys < 4) return false;
   // 32-bit positions, rows and block coordinates in the kernel (output positions are int32);

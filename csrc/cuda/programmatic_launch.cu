@@ -1,12 +1,11 @@
 // Host side of programmatic_launch.cuh: which kernels run sm_90 code (and so may use clusters and
 // programmatic dependent launch).
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
 
 #include "cuda_common.cuh"
+#include "environment_overrides.h"
 
 namespace hashattention {
 namespace cuda {
@@ -30,14 +29,7 @@ bool kernel_built_for_sm90(const void* kernel) {
 }
 
 bool programmatic_launch_allowed(const void* kernel) {
-  // Timing aid (A/B measurements of the launch overlap; never set outside them): "0" turns it off.
-  const char* value = std::getenv("HASHATTENTION_PROGRAMMATIC_LAUNCH");
-  if (value != nullptr && *value != '\0') {
-    TORCH_CHECK(std::strcmp(value, "0") == 0 || std::strcmp(value, "1") == 0,
-                "HASHATTENTION_PROGRAMMATIC_LAUNCH must be 0 or 1 (a timing aid), got '", value, "'");
-    if (value[0] == '0') return false;
-  }
-  return kernel_built_for_sm90(kernel);
+  return environment::programmatic_launch_enabled() && kernel_built_for_sm90(kernel);
 }
 
 }  // namespace cuda

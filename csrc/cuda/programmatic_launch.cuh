@@ -34,8 +34,8 @@ __device__ __forceinline__ void allow_dependent_launch() {
 bool kernel_built_for_sm90(const void* kernel);
 
 // Whether `kernel` may be launched with programmatic stream serialization: it is built for sm_90
-// (kernel_built_for_sm90, so it holds the wait), and the timing aid HASHATTENTION_PROGRAMMATIC_LAUNCH
-// (0: never, for A/B measurements) does not turn it off.
+// (kernel_built_for_sm90, so it holds the wait), and HASHATTENTION_PROGRAMMATIC_LAUNCH=0 (tests and
+// A/B measurements of the overlap, environment_overrides.h) does not turn it off.
 bool programmatic_launch_allowed(const void* kernel);
 
 // A configuration for cudaLaunchKernelExC with the launch attributes this package uses: thread-block

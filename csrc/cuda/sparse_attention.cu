@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -23,6 +22,7 @@
 
 #include "checks.h"
 #include "cuda_common.cuh"
+#include "environment_overrides.h"
 #include "op_arguments.h"
 #include "outputs.h"
 #include "sparse_attention_kernel.cuh"
@@ -38,22 +38,6 @@ bool aligned_16(const at::Tensor& t, int64_t element_size, std::initializer_list
     if ((s * element_size) % 16 != 0) return false;
   }
   return true;
-}
-
-// Timing aids, read per call (scripts/probe_attention.py; never set outside it):
-// HASHATTENTION_ATTENTION_CLUSTER (clusters of at most this many splits; 0 or 1: the counters' merge),
-// HASHATTENTION_ATTENTION_BLOCKS_PER_SM (target blocks per multiprocessor, 4),
-// HASHATTENTION_ATTENTION_MIN_ROWS (rows per split at least; kMinRowsPerSplit or
-// kMinRowsPerSplitPipelined) and HASHATTENTION_ATTENTION_PROBE (1: the kernel returns after its
-// prologue, 2: after its main loop, leaving the output unwritten).
-int64_t timing_aid(const char* name, int64_t fallback, int64_t lowest, int64_t highest) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return fallback;
-  char* end = nullptr;
-  const long long parsed = std::strtoll(value, &end, 10);
-  TORCH_CHECK(end != value && *end == '\0' && parsed >= lowest && parsed <= highest, name, " must be an integer in [",
-              lowest, ", ", highest, "] (a timing aid), got '", value, "'");
-  return parsed;
 }
 
 // Resident blocks of `kernel` per multiprocessor: fixed by the kernel and the device, so asked
@@ -76,8 +60,7 @@ int64_t resident_blocks_per_sm(AttentionKernel kernel) {
 
 // Clusters of `size` blocks of `kernel` that the device holds at once (0 where clusters of that
 // size cannot run: before sm_90, or a kernel whose code is not sm_90's -- its cluster merge would
-// trap), asked from the
-// driver once per (device, kernel, size).
+// trap), asked from the driver once per (device, kernel, size).
 int64_t resident_clusters(AttentionKernel kernel, int size) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -183,13 +166,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   // never more blocks than one resident wave when the units fit one (a second, partial wave
   // doubles the tail: H200, group-shared B = 4 / 128K, 56 -> 43 us), at least kMinRowsPerSplit
   // rows each (kMinRowsPerSplitPipelined for the pipelined loop), at most kMaxSplits (the
-  // in-kernel merge's shared-memory table).
+  // in-kernel merge's shared-memory table). HASHATTENTION_ATTENTION_BLOCKS_PER_SM and
+  // HASHATTENTION_ATTENTION_MIN_ROWS replace the 4 and the minimum rows: tests force few large or
+  // many small splits with them.
   const int64_t sms = multiprocessor_count();
   const int64_t resident = sms * resident_blocks_per_sm(kernel);
   const int64_t units = dims.batch * dims.rows * p.units_per_row;
-  const int64_t blocks_per_sm = timing_aid("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", 4, 1, 64);
-  const int64_t min_rows = timing_aid("HASHATTENTION_ATTENTION_MIN_ROWS",
-                                      pipelined ? kMinRowsPerSplitPipelined : kMinRowsPerSplit, 1, int64_t(1) << 30);
+  const int64_t blocks_per_sm = environment::attention_blocks_per_sm().value_or(4);
+  const int64_t min_rows =
+      environment::attention_min_rows().value_or(pipelined ? kMinRowsPerSplitPipelined : kMinRowsPerSplit);
   int64_t splits = std::max<int64_t>(1, ceil_div(std::min(blocks_per_sm * sms, resident), units));
   if (units <= resident) splits = std::min(splits, resident / units);
   splits = std::min(splits, std::max<int64_t>(1, ceil_div(dims.width, min_rows)));
@@ -202,19 +187,17 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   // eighth fewer splits than the rule above gives (B = 1, 32 query heads: 16 splits of a cluster
   // instead of 17). The other merge, through global counters, needs a memset of the counters
   // before the kernel, and with that node between the selection and this kernel the attention
-  // cannot be launched programmatically. H200, attention alone (scripts/probe_attention.py, cluster
-  // vs counters): B = 1 per query head 12.2-12.4 vs 13.4-13.7 us at 32K, 24.5-24.8 vs 25.7-26.4 at
-  // 128K, level at 512K; where the grid fills the resident slots (B = 4 per query head, 640 of 660
-  // blocks) clusters slowed the attention alone by ~1.6 us (B = 4 / 32K 24.8-25.4 vs 24.2-24.5 us).
-  // Allowing a quarter fewer splits (B = 4 per query head: clusters of 4 instead of the counters'
-  // 5) was measured and dropped: the B = 4 / 128K / 32x decode step in the model was 9.03 ms against
-  // 9.07-9.08 with the counters (one forced run had shown 8.74 that a later run did not repeat),
-  // and scripts/bench_decode.py at B = 8 / 128K group-shared, which it also moved to clusters, was
-  // slower: 97.1 vs 90.8 us at 32x, 161.2 vs 146.2 at 16x
-  // (benchmarks/results/bench_decode_20261203_s18_cluster.md). HASHATTENTION_ATTENTION_CLUSTER (a
-  // timing aid) = 0 or 1: never; c >= 2: clusters of at most c splits whenever they are resident,
-  // with fewer splits than the rule gives if need be.
-  const int64_t forced_cluster = timing_aid("HASHATTENTION_ATTENTION_CLUSTER", -1, 0, kMaxClusterSplits);
+  // cannot be launched programmatically. H200, attention alone, cluster vs counters: B = 1 per query
+  // head 12.2-12.4 vs 13.4-13.7 us at 32K, 24.5-24.8 vs 25.7-26.4 at 128K, level at 512K; where the
+  // grid fills the resident slots (B = 4 per query head, 640 of 660 blocks) clusters slowed the
+  // attention alone by ~1.6 us (B = 4 / 32K 24.8-25.4 vs 24.2-24.5 us). Allowing a quarter fewer
+  // splits (B = 4 per query head: clusters of 4 instead of the counters' 5) was measured and
+  // dropped: the B = 4 / 128K / 32x decode step in the model was 9.03 ms against 9.07-9.08 with the
+  // counters (a single 8.74 ms did not repeat), and benchmarks/decode_attention.py at B = 8 / 128K
+  // group-shared, which it also moved to clusters, was slower: 97.1 vs 90.8 us at 32x, 161.2 vs
+  // 146.2 at 16x. HASHATTENTION_ATTENTION_CLUSTER = 0 or 1: never; c >= 2: clusters of at most c
+  // splits whenever they are resident, with fewer splits than the rule gives if need be.
+  const int64_t forced_cluster = environment::attention_cluster(kMaxClusterSplits).value_or(-1);
   const int64_t largest_cluster = forced_cluster < 0 ? kMaxClusterSplits : forced_cluster;
   const int64_t smallest_cluster = std::max<int64_t>(2, forced_cluster < 0 ? ceil_div(7 * splits, 8) : 2);
   bool cluster_merge = false;
@@ -231,7 +214,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   p.splits = static_cast<int>(splits);
   p.rows_per_split = static_cast<int>(rows_per_split);
   p.cluster_merge = cluster_merge ? 1 : 0;
-  p.probe_stop = static_cast<int>(timing_aid("HASHATTENTION_ATTENTION_PROBE", 0, 0, 2));
   TORCH_CHECK(units <= std::numeric_limits<int32_t>::max(), "sparse_attention: too many (batch, row, head) units");
 
   // The counters' merge: a zeroed counter per unit. The caller's workspace is zero already (each
@@ -256,9 +238,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& query
   // serialization: the kernel may start while the selection before it finishes (its blocks are
   // placed and run up to their wait while the selection's last blocks write. H200, B = 1, 32x,
   // select + attend per query head: 42.3 -> 40.9 us at 128K, 21.3 -> 20.0-20.5 at 32K, level at
-  // 512K; benchmarks/results/bench_decode_20261202_1343_{pdl,nopdl}.md), but only where no counters'
-  // memset sits between the selection and this kernel (programmatic edges join two kernels; the
-  // memset must stay ordered before every block).
+  // 512K), but only where no counters' memset sits between the selection and this kernel
+  // (programmatic edges join two kernels; the memset must stay ordered before every block).
   KernelLaunch launch(grid, dim3(kAttentionThreads), 0, stream);
   if (cluster_merge) launch.cluster(dim3(1, static_cast<unsigned>(splits), 1));
   if (!counters_memset && programmatic_launch_allowed(reinterpret_cast<const void*>(kernel))) launch.programmatic();

@@ -22,11 +22,11 @@
 // multiprocessor (96 registers) keep enough rows in flight. Several heads per block (group-shared
 // selection, kPipelined): the per-head registers allow 2-3 resident blocks, so each warp loads its
 // next step while it consumes the current one, and steps (not tiles) are dealt to the warps in
-// turn, so that short splits keep every warp busy. H200, bf16, D = 128, 32x
-// (scripts/probe_attention.py, session 11, with the one-wave split rule of sparse_attention.cu):
-// group-shared B = 1 / 512K 44.5 -> 39.4 us, B = 4 / 128K 43.4 -> 39.1 us, B = 1 / 32K 15.2 ->
-// 11.7 us (with 32-row splits). For one head per block the pipelined loop was slower (128
-// registers, four resident blocks) and is not used there.
+// turn, so that short splits keep every warp busy. H200, bf16, D = 128, 32x, the attention alone
+// with the one-wave split rule of sparse_attention.cu, plain -> pipelined loop: group-shared
+// B = 1 / 512K 44.5 -> 39.4 us, B = 4 / 128K 43.4 -> 39.1 us, B = 1 / 32K 15.2 -> 11.7 us (with
+// 32-row splits). For one head per block the pipelined loop was slower (128 registers, four
+// resident blocks) and is not used there.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -81,7 +81,6 @@ struct AttentionParams {
   float* partial_max_sum;  // (units, splits, kMaxHeads, 2): running max (base 2) and sum
   int* counters;           // (units,), zero on entry and on exit; unused when cluster_merge
   int cluster_merge;       // 1: the splits of a unit are one cluster (grid.y == cluster size == splits)
-  int probe_stop;          // timing aid (scripts/probe_attention.py): 1 after the prologue, 2 after the main loop
 };
 
 template <typename T>
@@ -161,8 +160,8 @@ __device__ __forceinline__ float safe_exp2_diff(float a, float b) {  // exp2(a -
 // heads, whose first output row is `first_row` (rows of consecutive heads are `head_rows` apart).
 // Every remote read of a round is independent of the others, so each round costs one
 // distributed-shared-memory latency: the (max, sum) pairs, one per thread, then each thread's
-// column quads over all splits (a first version read them split after split, a dependent chain,
-// and merged slower than the counters' path through L2). `scratch` is the first block's own
+// column quads over all splits (reading them split after split, a dependent chain, merged slower
+// than the counters' path through L2). `scratch` is the first block's own
 // shared memory, free by then (at least 34 floats per head). The second barrier keeps every block,
 // and so its shared memory, alive until the first block has read it.
 template <typename T, int D, int kMaxHeads>
@@ -403,10 +402,6 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     }
   };
 
-  if (p.probe_stop == 1) {
-    if (q[0][0] == 1.2345f) p.lse[0] = 0.0f;  // keeps the prologue's loads
-    return;
-  }
   if constexpr (!kPipelined) {
     for (int64_t tile = j_begin + warp * 32; tile < j_end; tile += kAttentionWarps * 32) {
       int64_t lane_k, lane_v;
@@ -458,10 +453,6 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
       if (own + 2 < own_steps) load_step(own + 2, a);
       consume(b);
     }
-  }
-  if (p.probe_stop == 2) {
-    if (running_sum[0] == 1.2345f) p.lse[0] = 0.0f;  // keeps the main loop
-    return;
   }
 
   // Merge the row groups of the warp (lanes that share a column range).

@@ -1,5 +1,5 @@
-"""The decode-step encoder's timing aid (CUDA only): HASHATTENTION_ENCODER=skip launches nothing, so the
-key cache is left as it was (scripts/ab_generate.sh times a decode step without its encoder this way).
+"""HASHATTENTION_ENCODER=skip (CUDA only, for timing a decode step without its encoder):
+encode_signatures_pair_into launches nothing, so the key cache is left as it was.
 """
 import pytest
 import torch

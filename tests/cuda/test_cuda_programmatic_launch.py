@@ -17,7 +17,7 @@ import torch
 import hashattention as ha
 from hashattention import reference
 from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
-from test_encode_signatures import make_mlp
+from ops.test_encode_signatures import make_mlp
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"
@@ -41,7 +41,7 @@ def check_step(indices, counts, out, lse, query, key_cache, value_cache, q_sig, 
 def test_attention_after_selection_reads_this_steps_indices(monkeypatch, programmatic, query_heads, group_shared,
                                                              keys, captured):
     """Eager and graph-replayed steps (B = 1, the splits merged in a cluster at these sizes), with the
-    programmatic launch on and off (HASHATTENTION_PROGRAMMATIC_LAUNCH, a timing aid)."""
+    programmatic launch on and off (HASHATTENTION_PROGRAMMATIC_LAUNCH)."""
     monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", programmatic)
     kv_heads, head_dim, dtype, steps = 8 if query_heads == 32 else 2, 128, torch.bfloat16, 6
     selection_heads = kv_heads if group_shared else query_heads
@@ -144,7 +144,7 @@ def test_encoder_reads_this_steps_inputs_and_weights(monkeypatch, encoder, batch
 
 
 def test_bad_programmatic_launch_value_is_named(monkeypatch):
-    """The timing aid accepts 0 or 1 only, and says so."""
+    """HASHATTENTION_PROGRAMMATIC_LAUNCH accepts 0 or 1 only, and says so."""
     monkeypatch.setenv("HASHATTENTION_PROGRAMMATIC_LAUNCH", "yes")
     q = torch.randn(1, 4, 1, 64, device="cuda")
     k = torch.randn(1, 4, 300, 64, device="cuda")

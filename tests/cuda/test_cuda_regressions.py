@@ -1,4 +1,4 @@
-"""CUDA regressions in the shapes of the HF integration check (scripts/gpu_check_integration.py).
+"""CUDA regressions in the shapes of the HF integration check (tools/gpu_check_integration.py).
 
 The unit tests use L in {1, 5} and widths up to ~300; the integration check failed on an H200
 (logits 11% off SDPA at full budget, CUDA-graph decode 21% off eager) with shapes they do not

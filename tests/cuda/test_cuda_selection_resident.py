@@ -123,16 +123,13 @@ def test_long_rows_and_beyond_capacity(monkeypatch, keys):
 
 @pytest.mark.parametrize("chunk", [4096, 8192, 16384, 32768, 65536])
 @pytest.mark.parametrize("pool", [0, 3])
-@pytest.mark.parametrize("phase_two", ["registers", "twopass"])
-def test_every_chunk_size_on_static_cache_slots(monkeypatch, chunk, pool, phase_two):
+def test_every_chunk_size_on_static_cache_slots(monkeypatch, chunk, pool):
     """Each block size, forced, on a static cache's layout: slots a little past a power of two
     (a model's n + decode steps, so each row's last block is nearly empty), shorter per-sequence
     lengths and budgets given as tensors, as a patched model's decode step calls it. Blocks of up
-    to 32K positions write from registers after one pass; "twopass" (a timing aid with correct
-    output) forces the general two-pass compaction that 64K blocks take at every size."""
+    to 32K positions write from registers after one pass; 64K blocks take the general two-pass
+    compaction."""
     monkeypatch.setenv("HASHATTENTION_SELECTION_CHUNK", str(chunk))
-    if phase_two == "twopass":
-        monkeypatch.setenv("HASHATTENTION_SELECTION_PROBE", "twopass")
     g = generator_for("resident-chunk", chunk, pool)
     slots = 65_536 + 132
     q_sig = signatures((2, 8, 1, 1), g, pool)
@@ -163,15 +160,17 @@ def test_grid_slices(monkeypatch, resident_blocks, group, pool):
 
 
 @pytest.mark.parametrize("variable, value, message", [
-    ("HASHATTENTION_SELECTION_CHUNK", "5000", "HASHATTENTION_SELECTION_CHUNK must be one of"),
-    ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "0", "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"),
-    ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "many", "HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be a positive"),
-    ("HASHATTENTION_SELECTION_PROBE", "writes", "HASHATTENTION_SELECTION_PROBE must be scoring"),
-    ("HASHATTENTION_SELECTION_TIMELINE", "somewhere", "HASHATTENTION_SELECTION_TIMELINE must be the decimal device address"),
-    ("HASHATTENTION_SELECTION_TIMELINE", "6", "HASHATTENTION_SELECTION_TIMELINE must be the decimal device address"),
+    ("HASHATTENTION_SELECTION", "resident", "HASHATTENTION_SELECTION must be chunked, got 'resident'"),
+    ("HASHATTENTION_SELECTION_CHUNK", "5000",
+     "HASHATTENTION_SELECTION_CHUNK must be 4096, 8192, 16384, 32768 or 65536, got '5000'"),
+    ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "0",
+     r"HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be an integer in \[1, 1073741824\], got '0'"),
+    ("HASHATTENTION_SELECTION_RESIDENT_BLOCKS", "many",
+     r"HASHATTENTION_SELECTION_RESIDENT_BLOCKS must be an integer in \[1, 1073741824\], got 'many'"),
 ])
-def test_bad_test_aid_values_are_named(monkeypatch, variable, value, message):
-    """The test aids' environment variables reject what they cannot mean, naming the variable."""
+def test_bad_override_values_are_named(monkeypatch, variable, value, message):
+    """The selection's environment overrides reject what they cannot mean, naming the variable and
+    the values it takes."""
     monkeypatch.setenv(variable, value)
     q_sig = torch.zeros(1, 4, 1, 1, dtype=torch.int32, device="cuda")
     k_sig = torch.zeros(1, 4, 10_000, 1, dtype=torch.int32, device="cuda")

@@ -160,8 +160,8 @@ cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and ha.WITH_CUDA),
 @pytest.mark.parametrize("cluster", [None, "0", "3"])
 def test_launch_shapes_give_the_reference(monkeypatch, dtype, head_dim, query_heads, kv_heads, group_shared,
                                           blocks_per_sm, min_rows, cluster):
-    """Every split count and every share of steps per warp (timing aids of csrc/cuda/sparse_attention.cu
-    force few large splits, or many of a few rows) computes the same attention: one and several
+    """Every split count and every share of steps per warp (environment overrides of
+    csrc/environment_overrides.h force few large splits, or many of a few rows) computes the same attention: one and several
     heads per block (plain and pipelined loops), partial steps and tiles, empty and full lists, with
     the splits merged in a thread-block cluster (up to 16, or up to 3 splits) or through the counters
     (cluster "0")."""
@@ -190,11 +190,10 @@ def test_launch_shapes_give_the_reference(monkeypatch, dtype, head_dim, query_he
 @pytest.mark.parametrize("variable, value", [
     ("HASHATTENTION_ATTENTION_BLOCKS_PER_SM", "0"),
     ("HASHATTENTION_ATTENTION_MIN_ROWS", "many"),
-    ("HASHATTENTION_ATTENTION_PROBE", "3"),
     ("HASHATTENTION_ATTENTION_CLUSTER", "17"),
 ])
-def test_bad_timing_aid_values_are_named(monkeypatch, variable, value):
-    """The attention's timing aids reject what they cannot mean, naming the variable."""
+def test_bad_override_values_are_named(monkeypatch, variable, value):
+    """The attention's environment overrides reject what they cannot mean, naming the variable."""
     monkeypatch.setenv(variable, value)
     q = torch.randn(1, 4, 1, 64, device="cuda")
     k = torch.randn(1, 4, 300, 64, device="cuda")

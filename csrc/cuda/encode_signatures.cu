@@ -1,5 +1,5 @@
 // CUDA kernels of `encode_signatures`, `encode_signatures_pair` (and `_into`, which stores the key
-// signatures into a cache), `pack_signs` and `hamming_scores`.
+// signatures into a cache) and `pack_signs`.
 //
 // Encoding of few rows (a decode step: batch * tokens <= 64 per head) runs in one fused
 // kernel (encode_fused.cu); encode_signatures_pair runs a decode step's query and key problems
@@ -15,9 +15,9 @@
 
 #include "checks.h"
 #include "cuda_common.cuh"
-#include "encode_choice.h"
-#include "encode_heads.h"
 #include "encode_fused.h"
+#include "encode_heads.h"
+#include "environment_overrides.h"
 #include "mlp_activation.h"
 #include "op_arguments.h"
 #include "outputs.h"
@@ -85,34 +85,6 @@ void launch_sign_pack(const at::Tensor& values, const at::Tensor& bias, at::Tens
                                                                 tokens, heads);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-
-// One thread per output score; the query words of a row are the same for a whole warp
-// (L1 broadcast), the key words are read coalesced along N.
-__global__ void __launch_bounds__(kThreads)
-    hamming_scores_kernel(const int32_t* __restrict__ q, int64_t qs0, int64_t qs1, int64_t qs2,
-                          const int32_t* __restrict__ k, int64_t ks0, int64_t ks1, int64_t ks2,
-                          int32_t* __restrict__ out, int64_t total, int64_t keys, int64_t rows,
-                          int64_t selection_heads, int64_t group, int64_t per_key, int64_t words) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t n = i % keys;
-    const int64_t row = i / keys;
-    const int64_t l = row % rows;
-    const int64_t s = (row / rows) % selection_heads;
-    const int64_t b = row / (rows * selection_heads);
-    int32_t score = 0;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = s * group + g;
-      const int32_t* qr = q + b * qs0 + h * qs1 + l * qs2;
-      const int32_t* kr = k + b * ks0 + (h / per_key) * ks1 + n * ks2;
-      int32_t distance = 0;
-      for (int64_t w = 0; w < words; ++w) distance += __popc(static_cast<unsigned>(qr[w] ^ kr[w]));
-      score += static_cast<int32_t>(32 * words) - distance;
-    }
-    out[i] = score;
-  }
 }
 
 }  // namespace
@@ -206,7 +178,7 @@ at::Tensor encode_signatures_pair_into_cuda(const at::Tensor& query, at::TensorL
       check_encode_pair_into_args(query, query_weights.vec(), query_biases.vec(), key, key_weights.vec(),
                                   key_biases.vec(), key_signatures, positions, activation);
   const c10::cuda::CUDAGuard guard(query.device());
-  if (encoder_choice_from_environment() == EncoderChoice::kSkip) {  // timing aid: no launch, output unwritten
+  if (environment::encoder_choice() == environment::EncoderChoice::kSkip) {  // no launch, output unwritten
     return new_output({dims.query.batch, dims.query.heads, dims.query.tokens, dims.query.words},
                       query.options().dtype(at::kInt));
   }
@@ -224,25 +196,6 @@ at::Tensor encode_signatures_pair_into_cuda(const at::Tensor& query, at::TensorL
   return query_out;
 }
 
-at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
-                               int64_t selection_heads) {
-  const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
-  const c10::cuda::CUDAGuard guard(query_signatures.device());
-  at::Tensor out = new_output({dims.batch, dims.selection_heads, dims.rows, dims.keys},
-                             query_signatures.options().dtype(at::kInt));
-  const int64_t total = out.numel();
-  if (total == 0) return out;
-  const auto& q = query_signatures;
-  const auto& k = key_signatures;
-  const int64_t blocks = std::min<int64_t>(ceil_div(total, kThreads), int64_t(multiprocessor_count()) * 32);
-  hamming_scores_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      q.data_ptr<int32_t>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<int32_t>(), k.stride(0),
-      k.stride(1), k.stride(2), out.data_ptr<int32_t>(), total, dims.keys, dims.rows, dims.selection_heads,
-      dims.heads_per_selection(), dims.query_heads_per_key_head(), dims.words);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
@@ -250,7 +203,6 @@ TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
   m.impl("encode_signatures_pair", &cuda::encode_signatures_pair_cuda);
   m.impl("encode_signatures_pair_into", &cuda::encode_signatures_pair_into_cuda);
   m.impl("pack_signs", &cuda::pack_signs_cuda);
-  m.impl("hamming_scores", &cuda::hamming_scores_cuda);
 }
 
 }  // namespace hashattention

@@ -1,6 +1,7 @@
 // CUDA kernels of `hamming_topk` and `topk_from_scores`: exact top-k selection with the
 // sink/local budget contract of selection_window.h, identical to the CPU kernels (same set,
-// same order, ties to the later position, -1 padding, counts).
+// same order, ties to the later position, -1 padding, counts); and of `hamming_scores`, the
+// scores hamming_topk selects by, written out.
 //
 // The counting paths of hamming_topk live in hamming_topk_resident.cu (one launch, when the whole
 // selection fits on chip: batch-1 decode steps) and hamming_topk_fast.cu (two launches, any size,
@@ -9,6 +10,7 @@
 // order-preserving keys, 8 bits per pass, then an ordered compaction.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "checks.h"
@@ -31,6 +33,34 @@ __device__ __forceinline__ void row_coordinates(const SelectionParams& p, int64_
   l = row % p.rows;
   s = (row / p.rows) % p.heads;
   b = row / (p.rows * p.heads);
+}
+
+// ---- hamming_scores ---------------------------------------------------------------------------
+// One thread per output score; the query words of a row are the same for a whole warp
+// (L1 broadcast), the key words are read coalesced along N.
+__global__ void __launch_bounds__(kThreads)
+    hamming_scores_kernel(const int32_t* __restrict__ q, int64_t qs0, int64_t qs1, int64_t qs2,
+                          const int32_t* __restrict__ k, int64_t ks0, int64_t ks1, int64_t ks2,
+                          int32_t* __restrict__ out, int64_t total, int64_t keys, int64_t rows,
+                          int64_t selection_heads, int64_t group, int64_t per_key, int64_t words) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t n = i % keys;
+    const int64_t row = i / keys;
+    const int64_t l = row % rows;
+    const int64_t s = (row / rows) % selection_heads;
+    const int64_t b = row / (rows * selection_heads);
+    int32_t score = 0;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = s * group + g;
+      const int32_t* qr = q + b * qs0 + h * qs1 + l * qs2;
+      const int32_t* kr = k + b * ks0 + (h / per_key) * ks1 + n * ks2;
+      int32_t distance = 0;
+      for (int64_t w = 0; w < words; ++w) distance += __popc(static_cast<unsigned>(qr[w] ^ kr[w]));
+      score += static_cast<int32_t>(32 * words) - distance;
+    }
+    out[i] = score;
+  }
 }
 
 // ---- generic path: one block per row, radix select ------------------------------------------
@@ -128,6 +158,25 @@ SelectionParams make_params(const std::optional<at::Tensor>& lengths, const std:
 
 }  // namespace
 
+at::Tensor hamming_scores_cuda(const at::Tensor& query_signatures, const at::Tensor& key_signatures,
+                               int64_t selection_heads) {
+  const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
+  const c10::cuda::CUDAGuard guard(query_signatures.device());
+  at::Tensor out = new_output({dims.batch, dims.selection_heads, dims.rows, dims.keys},
+                             query_signatures.options().dtype(at::kInt));
+  const int64_t total = out.numel();
+  if (total == 0) return out;
+  const auto& q = query_signatures;
+  const auto& k = key_signatures;
+  const int64_t blocks = std::min<int64_t>(ceil_div(total, kThreads), int64_t(multiprocessor_count()) * 32);
+  hamming_scores_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<int32_t>(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr<int32_t>(), k.stride(0),
+      k.stride(1), k.stride(2), out.data_ptr<int32_t>(), total, dims.keys, dims.rows, dims.selection_heads,
+      dims.heads_per_selection(), dims.query_heads_per_key_head(), dims.words);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> hamming_topk_cuda(const at::Tensor& query_signatures,
                                                      const at::Tensor& key_signatures,
                                                      const std::optional<at::Tensor>& lengths,
@@ -216,6 +265,7 @@ std::tuple<at::Tensor, at::Tensor> topk_from_scores_cuda(const at::Tensor& score
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(hashattention, CUDA, m) {
+  m.impl("hamming_scores", &cuda::hamming_scores_cuda);
   m.impl("hamming_topk", &cuda::hamming_topk_cuda);
   m.impl("topk_from_scores", &cuda::topk_from_scores_cuda);
 }
