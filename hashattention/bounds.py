@@ -19,24 +19,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .config import heavy_tokens
 from .padding import first_visible_key
-
-
-def budgets_from_valid_keys(valid_keys: Tensor, sparsity: Optional[float], budget_tokens: Optional[int],
-                            window_tokens: int, dense_below_tokens: int) -> Tensor:
-    """int32 ``(B,)`` signature-selected tokens per sequence from its valid key count (integer ``(B,)``).
-
-    The token count of :meth:`hashattention.HashAttentionConfig.total_tokens`, less the sink and local
-    windows: ``budget_tokens`` if set, else ``floor(valid_keys / sparsity)``; all valid keys below
-    ``dense_below_tokens``; never negative.
-    """
-    if budget_tokens is not None:
-        total = torch.full_like(valid_keys, budget_tokens)
-    else:
-        total = torch.floor(valid_keys.to(torch.float64) / sparsity).to(valid_keys.dtype)
-    if dense_below_tokens > 0:
-        total = torch.where(valid_keys < dense_below_tokens, valid_keys, total)
-    return (total - window_tokens).clamp(min=0).to(torch.int32)
 
 
 def _check(lengths: Tensor, visible: Optional[Tensor], sparsity: Optional[float], budget_tokens: Optional[int],
@@ -80,11 +64,13 @@ def selection_bounds(
             ``floor((lengths - offset) / sparsity)`` or ``budget_tokens``.
         window_tokens: sink + local tokens, taken from the total; budgets are what is left.
         dense_below_tokens: sequences with fewer valid keys than this keep all of them.
+
+    The budgets are :func:`hashattention.config.heavy_tokens` of the valid keys ``lengths - offset``.
     """
     _check(lengths, visible, sparsity, budget_tokens, window_tokens, dense_below_tokens)
     starts = torch.zeros_like(lengths, dtype=torch.int32) if visible is None else first_visible_key(visible)
     lengths = lengths.to(torch.int32, copy=True)  # an op's outputs never alias its inputs
-    budgets = budgets_from_valid_keys(lengths - starts, sparsity, budget_tokens, window_tokens, dense_below_tokens)
+    budgets = heavy_tokens(lengths - starts, sparsity, budget_tokens, window_tokens, dense_below_tokens)
     return lengths, starts, budgets
 
 

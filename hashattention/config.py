@@ -21,9 +21,42 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, TypeVar
+
+import torch
+from torch import Tensor
 
 SELECTION_MODES = ("query_head", "kv_group")
+
+KeyCount = TypeVar("KeyCount", int, Tensor)
+
+
+def heavy_tokens(valid_keys: KeyCount, sparsity: Optional[float], budget_tokens: Optional[int], window_tokens: int,
+                 dense_below_tokens: int = 0) -> KeyCount:
+    """Signature-selected tokens of a query row whose sequence has ``valid_keys`` keys: the budget rule.
+
+    The row attends to ``total`` tokens, ``budget_tokens`` if given, else ``floor(valid_keys /
+    sparsity)`` (exactly one of the two is given); all ``valid_keys`` when there are fewer than
+    ``dense_below_tokens``. ``window_tokens`` (sink + local) of them are the windows; the rest,
+    never negative, are chosen by the signatures. The windows are never cut: when ``total`` is
+    below ``window_tokens`` the windows alone are attended.
+
+    ``valid_keys`` is an ``int`` (host-side: the config, the evaluation's budgets) or an integer
+    tensor ``(B,)`` (on the device: :mod:`hashattention.bounds`); the result has its type and dtype.
+    Both compute ``floor`` of the float64 quotient, so they agree on every input.
+    """
+    if isinstance(valid_keys, Tensor):
+        if budget_tokens is not None:
+            total = torch.full_like(valid_keys, budget_tokens)
+        else:
+            total = torch.floor(valid_keys.to(torch.float64) / sparsity).to(valid_keys.dtype)
+        if dense_below_tokens > 0:
+            total = torch.where(valid_keys < dense_below_tokens, valid_keys, total)
+        return (total - window_tokens).clamp(min=0)
+    total = budget_tokens if budget_tokens is not None else math.floor(valid_keys / sparsity)
+    if valid_keys < dense_below_tokens:
+        total = valid_keys
+    return max(total - window_tokens, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,27 +135,27 @@ class HashAttentionConfig:
     def window_tokens(self) -> int:
         return self.sink_tokens + self.local_tokens
 
+    def heavy_tokens(self, valid_keys: KeyCount) -> KeyCount:
+        """Signature-selected tokens per query row for ``valid_keys`` keys (an int or an integer tensor
+        ``(B,)``): :func:`heavy_tokens` under this config."""
+        return heavy_tokens(valid_keys, self.sparsity, self.budget_tokens, self.window_tokens, self.dense_below_tokens)
+
     def total_tokens(self, valid_keys: int) -> int:
-        """Tokens one query row attends to when its sequence has ``valid_keys`` keys (host-side helper)."""
-        if valid_keys < self.dense_below_tokens:
-            return valid_keys
-        if self.budget_tokens is not None:
-            return min(valid_keys, self.budget_tokens)
-        return min(valid_keys, max(math.floor(valid_keys / self.sparsity), self.window_tokens))
+        """Tokens one query row attends to when its sequence has ``valid_keys`` keys, windows included."""
+        return min(valid_keys, self.window_tokens + self.heavy_tokens(valid_keys))
 
     def heavy_width(self, max_keys: int) -> int:
         """Static number of signature-selected slots for a cache holding up to ``max_keys`` keys.
 
         It sets the output width of the selection op (``sink + local + heavy_width``), so
-        it depends only on shapes, never on device values: per-sequence budgets lower it.
+        it depends only on shapes, never on device values: per-sequence budgets lower it. The
+        widest budget is the full cache's, or, with ``dense_below_tokens``, the largest sequence
+        still attended densely (``dense_below_tokens - 1`` keys).
         """
-        if self.budget_tokens is not None:
-            heavy = self.budget_tokens - self.window_tokens
-        else:
-            heavy = math.floor(max_keys / self.sparsity) - self.window_tokens
+        heavy = heavy_tokens(max_keys, self.sparsity, self.budget_tokens, self.window_tokens)
         if self.dense_below_tokens > 0:
-            heavy = max(heavy, self.dense_below_tokens - 1 - self.window_tokens)
-        return max(0, min(heavy, max_keys))
+            heavy = max(heavy, self.heavy_tokens(self.dense_below_tokens - 1))
+        return min(heavy, max_keys)
 
     def describe(self) -> str:
         budget = f"{self.budget_tokens} tokens" if self.budget_tokens is not None else f"1/{self.sparsity:g} of the keys"

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ... import ops
+from ...config import heavy_tokens
 
 
 class SelectorUnavailable(RuntimeError):
@@ -39,8 +40,10 @@ class SelectorUnavailable(RuntimeError):
 class Budget:
     """Tokens one sparse query row attends to: ``sink + local + heavy`` (the shared contract).
 
-    ``for_sparsity(n, s)`` defines sparsity ``s`` as ``floor(n / s)`` attended tokens in total,
-    windows included, where ``n`` is the context length when sparse decoding starts.
+    ``for_sparsity(n, s)`` gives sparsity ``s`` the meaning it has in :class:`hashattention.HashAttentionConfig`
+    (:func:`hashattention.config.heavy_tokens`): ``floor(n / s)`` attended tokens in total, windows
+    included, where ``n`` is the context length when sparse decoding starts (fixed for the whole run,
+    so every method gets the same budget at every row).
     """
 
     sink_tokens: int
@@ -65,8 +68,7 @@ class Budget:
             raise ValueError(f"sparsity must be >= 1, got {sparsity}")
         if context_tokens < 1:
             raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
-        total = int(context_tokens // sparsity)
-        heavy = max(total - sink_tokens - local_tokens, 0)
+        heavy = heavy_tokens(context_tokens, sparsity, None, sink_tokens + local_tokens)
         return cls(sink_tokens, local_tokens, heavy)
 
 
