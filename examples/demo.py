@@ -6,11 +6,12 @@ chapters 1-4); the model is asked for it twice, with dense attention and with Ha
 answers, the share of the true top-32 attention keys (by q.k) that the selection captured,
 K/V bytes read per decode step, and tokens/s on this machine's CPU.
 
-The model is the offline GGUF SmolLM2 (hashattention.offline_model). Trained adapters are
-used when hashattention/pretrained/smollm2-135m-instruct/ exists; otherwise the demo says so
-and uses randomly initialised adapters (random-projection-like signatures).
+The model is the offline GGUF SmolLM2 (hashattention.offline_model); the adapters are the
+trained ones shipped with the package (``HashAdapters.from_pretrained("smollm2-135m-instruct")``),
+or, where a build lacks them, randomly initialised ones (random-projection-like signatures; the
+demo says so).
 
-    python scripts/demo.py [--context-tokens 3000] [--depth 0.4] [--sparsity 16]
+    python examples/demo.py [--context-tokens 3000] [--depth 0.4] [--sparsity 16]
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the demo runs from the checkout
 DOCUMENT = os.path.join(REPO, "data", "persuasion_chapters_1_4.txt")
-PRETRAINED = os.path.join(REPO, "hashattention", "pretrained", "smollm2-135m-instruct")
+ADAPTERS = "smollm2-135m-instruct"  # shipped with the package
 PROBE_NAME = "hashattention_demo_probe"
 TOP_KEYS = 32
 
@@ -71,19 +71,18 @@ def build_prompt(tokenizer, context_tokens: int, depth: float, passkey: str):
 
 
 def load_adapters(model):
-    from hashattention.adapters import HashAdapters
+    from hashattention.adapters import HashAdapters, pretrained_names
 
-    if os.path.isfile(os.path.join(PRETRAINED, "adapter_config.json")):
-        adapters = HashAdapters.from_pretrained(PRETRAINED)
+    if ADAPTERS in pretrained_names():
+        adapters = HashAdapters.from_pretrained(ADAPTERS)
         mean = (adapters.config.validation or {}).get("mean", {}).get("learned", {})
         recall = ", ".join(f"{k} {v:.3f}" for k, v in sorted(mean.items())) or "not recorded"
-        return adapters, (f"trained adapters from {os.path.relpath(PRETRAINED, REPO)} "
-                          f"(held-out recall of the true top-32: {recall})")
+        return adapters, f"trained adapters {ADAPTERS!r} (held-out recall of the true top-32: {recall})"
     torch.manual_seed(0)
     adapters = HashAdapters.for_model_config(model.config)
     return adapters, (
-        "RANDOMLY INITIALISED adapters (no trained adapters in "
-        f"{os.path.relpath(PRETRAINED, REPO)} yet): the signatures are random-projection-like, untrained"
+        f"RANDOMLY INITIALISED adapters (this build of hashattention ships no {ADAPTERS!r}): "
+        "the signatures are random-projection-like, untrained"
     )
 
 
@@ -121,7 +120,6 @@ class SelectionProbe:
     @torch.no_grad()
     def measure(self, runtime, cache_layer, query, key):
         from hashattention import ops
-        from hashattention.attention import heavy_budgets
 
         config = runtime.config
         q_heads, kv_heads, n, head_dim = query.shape[1], key.shape[1], key.shape[2], key.shape[3]
@@ -134,7 +132,7 @@ class SelectionProbe:
             local_tokens=config.local_tokens,
             budget_tokens=config.heavy_width(n),
             lengths=lengths,
-            budgets=heavy_budgets(config, lengths),
+            budgets=config.heavy_tokens(lengths),
         )
         group = q_heads // runtime.selection_heads
         keys = key.repeat_interleave(q_heads // kv_heads, dim=1)[0].float()  # (Hq, n, D)
@@ -203,7 +201,6 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    sys.path.insert(0, REPO)
     import hashattention
     from hashattention.attention import register
     from hashattention.config import HashAttentionConfig

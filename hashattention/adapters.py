@@ -9,8 +9,10 @@ or ``encode_signatures_pair`` for a decode step's queries and new keys together)
 
 Files: ``save_pretrained(dir)`` writes ``adapters.safetensors`` (tensors only, no pickle) and
 ``adapter_config.json`` (architecture, the model it was trained for, training recipe and
-validation recall); ``from_pretrained(dir)`` reads them back. :func:`convert_authors_checkpoint`
-reads the authors' released ``.pt`` patches.
+validation recall); ``from_pretrained(dir)`` reads them back. Adapters shipped inside the package
+(``hashattention/pretrained/<name>/``) load by name: ``HashAdapters.from_pretrained("smollm2-135m-instruct")``
+(:func:`pretrained_names`, :func:`pretrained_path`). :func:`convert_authors_checkpoint` reads the
+authors' released ``.pt`` patches.
 """
 
 from __future__ import annotations
@@ -27,11 +29,28 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .reference import ACTIVATION_FUNCTIONS
+from .activations import ACTIVATION_FUNCTIONS, ACTIVATIONS
 
 WEIGHTS_NAME = "adapters.safetensors"
 CONFIG_NAME = "adapter_config.json"
 FORMAT_VERSION = 1
+#: Where the package keeps its shipped adapters, one directory per name.
+PRETRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
+
+
+def pretrained_names() -> List[str]:
+    """Names of the adapters shipped with the package (sorted), e.g. ``["smollm2-135m-instruct"]``."""
+    if not os.path.isdir(PRETRAINED_DIR):
+        return []
+    return sorted(name for name in os.listdir(PRETRAINED_DIR)
+                  if os.path.isfile(os.path.join(PRETRAINED_DIR, name, CONFIG_NAME)))
+
+
+def pretrained_path(name: str) -> str:
+    """Directory of the shipped adapters ``name``; a ValueError lists the shipped names otherwise."""
+    if name not in pretrained_names():
+        raise ValueError(f"no adapters named {name!r} are shipped with hashattention; shipped: {pretrained_names()}")
+    return os.path.join(PRETRAINED_DIR, name)
 
 
 @dataclasses.dataclass
@@ -79,8 +98,8 @@ class AdapterConfig:
             raise ValueError(f"AdapterConfig.bits must be a multiple of 32, got {self.bits}")
         if any(h < 1 for h in self.hidden_features):
             raise ValueError(f"AdapterConfig.hidden_features must be positive, got {self.hidden_features}")
-        if self.activation not in ops.ACTIVATIONS:
-            raise ValueError(f"AdapterConfig.activation must be one of {ops.ACTIVATIONS}, got {self.activation!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"AdapterConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
     @property
     def num_key_signature_heads(self) -> int:
@@ -254,14 +273,23 @@ class HashAdapters(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str, device=None, dtype: Optional[torch.dtype] = None) -> "HashAdapters":
-        """Load adapters written by :meth:`save_pretrained`."""
+        """Load adapters written by :meth:`save_pretrained` into ``directory``, or shipped with the package
+        under that name (:func:`pretrained_names`; an existing directory of the same name wins).
+
+        Args:
+            directory: a directory path or a shipped name, e.g. ``"smollm2-135m-instruct"``.
+            device, dtype: where and in which dtype to put the weights (default: CPU, as stored).
+        """
         from safetensors.torch import load_file
 
+        if not os.path.isdir(directory) and directory in pretrained_names():
+            directory = pretrained_path(directory)
         config_path = os.path.join(directory, CONFIG_NAME)
         weights_path = os.path.join(directory, WEIGHTS_NAME)
         for path in (config_path, weights_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} not found: not an adapter directory written by save_pretrained")
+                raise FileNotFoundError(f"{path} not found: not an adapter directory written by save_pretrained "
+                                        f"nor the name of shipped adapters ({', '.join(pretrained_names())})")
         with open(config_path) as f:
             raw = json.load(f)
         version = raw.pop("format_version", None)

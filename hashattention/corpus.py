@@ -13,15 +13,6 @@ import os
 import zlib
 from typing import List
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLE_CORPUS = os.path.join(REPO_ROOT, "train", "sample_corpus")
-
-
-def default_corpus() -> str:
-    """``../shared/corpus`` next to the clone when present, else the sample shipped in ``train/sample_corpus``."""
-    shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "corpus")
-    return shared if os.path.isdir(shared) else SAMPLE_CORPUS
-
 
 def corpus_files(corpus: str) -> List[str]:
     """Sorted ``/``-separated paths, relative to ``corpus``, of its ``*.txt`` files (README files excluded).
@@ -29,8 +20,7 @@ def corpus_files(corpus: str) -> List[str]:
     Raises a ValueError when ``corpus`` is not a directory or holds no such file.
     """
     if not os.path.isdir(corpus):
-        hint = " (the default, which exists only in a clone: pass --corpus DIR)" if corpus == default_corpus() else ""
-        raise ValueError(f"corpus must be a directory of .txt files, got {corpus!r}{hint}")
+        raise ValueError(f"corpus must be a directory of .txt files, got {corpus!r}")
     found = []
     for root, _, names in os.walk(corpus):
         for name in names:

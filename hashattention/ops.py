@@ -29,7 +29,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-ACTIVATIONS = ("silu", "relu", "gelu", "tanh", "identity")
+from .activations import ACTIVATIONS  # noqa: F401  (the names accepted for ``activation``)
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -170,6 +171,13 @@ def pack_signs(values: Tensor) -> Tensor:
 @torch.library.register_fake("hashattention::pack_signs")
 def _pack_signs_fake(values):
     return values.new_empty((*values.shape[:-1], values.shape[-1] // 32), dtype=torch.int32)
+
+
+def unpack_signs(words: Tensor) -> Tensor:
+    """The inverse of :func:`pack_signs`: int32 ``(..., W)`` -> bool ``(..., 32 W)`` (plain torch, no op)."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int64)
+    bits = (words.to(torch.int64)[..., None] >> shifts) & 1
+    return bits.reshape(*words.shape[:-1], words.shape[-1] * 32).bool()
 
 
 def hamming_scores(query_signatures: Tensor, key_signatures: Tensor, selection_heads: int) -> Tensor:

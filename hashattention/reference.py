@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The oracle's own table (the library's is hashattention/activations.py): it shares no code with the library.
 ACTIVATION_FUNCTIONS = {
     "silu": F.silu,
     "relu": F.relu,

@@ -1,6 +1,6 @@
 """The training recipe as one dataclass, loadable from a TOML/JSON file and overridable by flags.
 
-Defaults follow the paper (../shared/docs/reference-notes.md §2): 32 bits, a per-head MLP
+Defaults follow the paper (HashAttention, Desai et al., 2025): 32 bits, a per-head MLP
 ``head_dim -> 128 -> SiLU -> 128 -> SiLU -> 32``, labels = true top-32 of q·k/√d outside the sink
 and local windows, BCE with positive weight ``alpha + beta * n`` (alpha 20, beta 0), Adam lr 1e-3.
 
@@ -16,7 +16,16 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from hashattention.corpus import REPO_ROOT, SAMPLE_CORPUS, default_corpus  # noqa: F401  (shared with the evaluation)
+#: The checkout this package runs from (train/ is not installed: it runs from a clone).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: A small public-domain corpus shipped with the clone, enough for a smoke-test run.
+SAMPLE_CORPUS = os.path.join(REPO_ROOT, "train", "sample_corpus")
+
+
+def default_corpus() -> str:
+    """``../shared/corpus`` next to the clone when present (the full training corpus), else :data:`SAMPLE_CORPUS`."""
+    shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "corpus")
+    return shared if os.path.isdir(shared) else SAMPLE_CORPUS
 
 
 @dataclasses.dataclass

@@ -15,12 +15,14 @@ from typing import List, Optional
 
 import torch
 
+from ..adapters import pretrained_names, pretrained_path
 from . import tasks, text
 from .harness import Evaluation, EvaluationConfig
 from .report import markdown, write_report
 from .selectors import selector_names
 
-PRETRAINED_SMOLLM2 = os.path.join(text.REPO_ROOT, "hashattention", "pretrained", "smollm2-135m-instruct")
+#: The shipped adapters that ``--model smollm2`` uses unless ``--adapters`` says otherwise.
+SMOLLM2_ADAPTERS = "smollm2-135m-instruct"
 
 
 def _ints(value: str) -> List[int]:
@@ -66,13 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local-tokens", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=32, help="k of the recall metric")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--corpus", default=text.default_corpus(), help="folder of .txt files")
+    parser.add_argument("--corpus", default=None,
+                        help="folder of .txt files; required to evaluate (in a clone: ../shared/corpus, or the small "
+                             "train/sample_corpus)")
     parser.add_argument("--held-out-modulus", type=int, default=10,
                         help="a corpus file is evaluation text iff crc32(relative path) %% modulus == 0")
     parser.add_argument("--calibration-tokens", type=int, default=2048,
                         help="tokens of non-held-out text for Double Sparsity's channel calibration")
     parser.add_argument("--adapters", default=None,
-                        help=f"trained HashAttention adapters; default for smollm2: {PRETRAINED_SMOLLM2}")
+                        help="trained HashAttention adapters (a directory); default for smollm2: the shipped "
+                             f"{SMOLLM2_ADAPTERS!r} adapters")
     parser.add_argument("--group-adapters", default=None,
                         help="adapters for the group-shared selector (default: --adapters)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -100,11 +105,13 @@ def load_model(name: str, tokenizer_kind: str):
 
 def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
     """The model, tokenizer and :class:`Evaluation` that the parsed command-line ``args`` describe."""
+    if args.corpus is None:
+        raise ValueError("--corpus DIR is required: the folder of .txt files to evaluate on")
     if args.threads:
         torch.set_num_threads(args.threads)
     adapters = args.adapters
-    if adapters is None and args.model == "smollm2" and os.path.isdir(PRETRAINED_SMOLLM2):
-        adapters = PRETRAINED_SMOLLM2
+    if adapters is None and args.model == "smollm2" and SMOLLM2_ADAPTERS in pretrained_names():
+        adapters = pretrained_path(SMOLLM2_ADAPTERS)
     model, tokenizer, model_name = load_model(args.model, args.tokenizer)
     config = EvaluationConfig(
         output_dir=args.output_dir,
@@ -133,10 +140,13 @@ def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.list_selectors:
         print("\n".join(selector_names()))
         return 0
+    if args.corpus is None:
+        parser.error("--corpus DIR is required: the folder of .txt files to evaluate on")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     results = evaluation_from_args(args).run(compute=not args.report_only)
     paths = write_report(results, args.output_dir)

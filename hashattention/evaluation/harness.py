@@ -42,6 +42,7 @@ class EvaluationConfig:
     """Every setting of one evaluation (the CLI exposes each as a flag)."""
 
     output_dir: str
+    corpus: str  # folder of .txt files (hashattention.corpus: its held-out files are the evaluation text)
     selectors: Sequence[str] = ()  # empty: every registered selector
     contexts: Sequence[int] = (2048, 4096, 8192)
     sparsities: Sequence[float] = (8, 16, 32)
@@ -54,7 +55,6 @@ class EvaluationConfig:
     local_tokens: int = 8
     top_k: int = 32
     seed: int = 0
-    corpus: str = dataclasses.field(default_factory=text.default_corpus)
     held_out_modulus: int = 10
     calibration_tokens: int = 2048
     adapters_dir: Optional[str] = None

@@ -1,7 +1,6 @@
 """Local text for the evaluation: corpus split, word pools and a byte tokenizer for tiny test models.
 
-The corpus is a folder of ``*.txt`` files (default: ``../shared/corpus`` next to the clone).
-Held-out files follow :mod:`hashattention.corpus`, the rule the adapter training validates with (same
+The corpus is a folder of ``*.txt`` files, always given explicitly (``--corpus``). Held-out files follow :mod:`hashattention.corpus`, the rule the adapter training validates with (same
 default modulus, 10), so the evaluation text (NLL, RULER haystacks) was never seen by the trained
 adapters. The other files provide calibration text (Double Sparsity) and word pools.
 """
@@ -12,7 +11,7 @@ import os
 import re
 from typing import List, Sequence
 
-from ..corpus import REPO_ROOT, corpus_files, default_corpus, is_held_out  # noqa: F401  (one split rule)
+from ..corpus import corpus_files, is_held_out
 
 
 def read_split(corpus: str, held_out: bool, modulus: int = 10) -> List[str]:

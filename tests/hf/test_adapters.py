@@ -142,3 +142,18 @@ def test_convert_authors_checkpoint_errors():
 def test_adapter_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         small_config(**overrides)
+
+
+def test_shipped_adapters_load_by_name():
+    from hashattention.adapters import pretrained_names, pretrained_path
+
+    assert "smollm2-135m-instruct" in pretrained_names()
+    by_name = HashAdapters.from_pretrained("smollm2-135m-instruct")
+    by_path = HashAdapters.from_pretrained(pretrained_path("smollm2-135m-instruct"))
+    assert by_name.config == by_path.config and by_name.config.num_layers == 30
+    for name, tensor in by_path.state_dict().items():
+        assert torch.equal(by_name.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="shipped: \\['smollm2-135m-instruct'"):
+        pretrained_path("no-such-adapters")
+    with pytest.raises(FileNotFoundError, match="nor the name of shipped adapters"):
+        HashAdapters.from_pretrained("no-such-adapters")

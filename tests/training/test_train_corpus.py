@@ -1,4 +1,5 @@
-"""The corpus split shared by the adapter training and the evaluation (hashattention/corpus.py)."""
+"""The corpus split shared by the adapter training and the evaluation (hashattention/corpus.py), and
+where each finds its corpus."""
 
 import os
 import zlib
@@ -59,8 +60,21 @@ def test_bad_corpus_raises(tmp_path, bad):
         corpus.is_held_out("a.txt", 0)
 
 
-def test_a_missing_default_corpus_says_how_to_pass_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(corpus, "REPO_ROOT", str(tmp_path / "site-packages"))
-    monkeypatch.setattr(corpus, "SAMPLE_CORPUS", str(tmp_path / "site-packages" / "train" / "sample_corpus"))
-    with pytest.raises(ValueError, match="--corpus DIR"):
-        corpus.corpus_files(corpus.default_corpus())
+def test_the_training_defaults_to_the_shared_corpus_next_to_the_clone_else_the_sample(monkeypatch, tmp_path):
+    train_config = pytest.importorskip("train.config")
+    clone = tmp_path / "clone"
+    monkeypatch.setattr(train_config, "REPO_ROOT", str(clone))
+    monkeypatch.setattr(train_config, "SAMPLE_CORPUS", str(clone / "train" / "sample_corpus"))
+    assert train_config.default_corpus() == str(clone / "train" / "sample_corpus")
+    (tmp_path / "shared" / "corpus").mkdir(parents=True)
+    assert train_config.default_corpus() == str(tmp_path / "shared" / "corpus")
+
+
+def test_the_installed_evaluation_has_no_default_corpus(capsys):
+    """The package never reaches into a checkout: the evaluation is told which corpus to read."""
+    from hashattention.evaluation import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "some-model-dir"])
+    assert "--corpus DIR is required" in capsys.readouterr().err
+    assert not hasattr(corpus, "default_corpus")

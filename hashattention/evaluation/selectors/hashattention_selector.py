@@ -23,7 +23,6 @@ import torch
 
 from ... import ops
 from ...adapters import CONFIG_NAME, WEIGHTS_NAME, HashAdapters
-from ...reference import unpack_signs
 from .base import Selector, SelectorUnavailable
 from .signature_cache import cached_key_signatures
 
@@ -92,7 +91,7 @@ class HashAttentionSelector(Selector):
 
     def _select_weighted(self, adapter, layer, query, key, budget):
         # The same cached key signatures as plain Hamming, unpacked to +-1 (B, Hq, N, bits).
-        key_bits = unpack_signs(cached_key_signatures(self.state, layer, key, adapter.key_signatures))
+        key_bits = ops.unpack_signs(cached_key_signatures(self.state, layer, key, adapter.key_signatures))
         key_signs = torch.where(key_bits, 1.0, -1.0)
         codes = adapter.query(query.float())  # (B, Hq, P, bits)
         weights = query_bit_weights(codes, self.query_levels) * torch.where(codes > 0, 1.0, -1.0)
