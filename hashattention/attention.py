@@ -2,16 +2,23 @@
 
 transformers calls :func:`hashattention_attention_forward` from every attention layer with
 post-RoPE queries ``(B, Hq, L, D)`` and the cached keys/values ``(B, Hkv, N, D)`` (``N`` is
-the whole preallocated buffer for a ``StaticCache``). Per forward call:
+the whole preallocated buffer for a ``StaticCache``). Per forward call the layer's
+:class:`KeySelection` (the ``hashattention`` keyword argument) splits the ``L`` query rows:
 
-* the first ``L - P`` query rows run dense through transformers' own SDPA path (``P`` =
-  ``sparse_prompt_tokens``; a single-row decode step has ``P = 1``);
-* the last ``P`` rows run sparse: query signatures -> fused Hamming top-k against the cache
-  layer's key signatures -> sparse attention over the selected K/V rows. A static cache layer
-  defers encoding the keys it just appended, so the query rows and those keys are encoded in
-  one op call (``encode_signatures_pair``: one encoder launch per layer and decode step) and
-  the keys' signatures are written into the cache before the selection reads them
-  (:meth:`hashattention.cache.SignatureStaticLayer.query_and_key_signatures`).
+* the first ``L - P`` rows run dense through transformers' own SDPA path;
+* the last ``P`` rows each attend to the keys that :meth:`KeySelection.select` picks for them,
+  through :func:`hashattention.ops.sparse_attention`.
+
+That is the one attention path of the package. :class:`LayerRuntime`, what
+:func:`hashattention.patch` installs, selects by learned signatures: ``P`` =
+``sparse_prompt_tokens`` for a prompt and 1 for a decode step; query signatures -> fused Hamming
+top-k against the cache layer's key signatures. A static cache layer defers encoding the keys it
+just appended, so the query rows and those keys are encoded in one op call
+(``encode_signatures_pair``: one encoder launch per layer and decode step) and the keys'
+signatures are written into the cache before the selection reads them
+(:meth:`hashattention.cache.SignatureStaticLayer.query_and_key_signatures`). The evaluation
+harness plugs its baselines (oracle top-k, H2O, Quest, ...) into the same path with its own
+:class:`KeySelection` (:mod:`hashattention.evaluation.attention_hook`).
 
 Valid lengths come from the cache layer (a device tensor for static caches), left-padding
 offsets from the boolean mask built by :func:`hashattention_mask` (the first visible key of
@@ -40,16 +47,49 @@ from transformers.utils import is_torchdynamo_compiling
 
 from . import ops
 from .adapters import LayerAdapter
-from .bounds import budgets_from_valid_keys
 from .config import HashAttentionConfig
 from .padding import first_visible_key
 
 ATTENTION_NAME = "hashattention"
 
 
+class KeySelection:
+    """How one attention layer's sparse query rows choose their keys: what
+    :func:`hashattention_attention_forward` asks of its ``hashattention`` keyword argument.
+
+    Shapes: ``query`` ``(B, Hq, P, D)`` (the sparse rows, at positions ``N - P .. N - 1`` of a cache
+    without padding), ``key`` / ``value`` ``(B, Hkv, N, D)``; selections are int32 ``(indices
+    (B, Hs, P, K), counts (B, Hs, P))`` as :func:`hashattention.ops.hamming_topk` returns them.
+    """
+
+    #: Every row of the layer runs dense (SDPA), nothing is selected.
+    dense: bool = False
+    #: A row's selection depends on the attention of the rows before it (H2O) or on more than its
+    #: own query and each key alone (Quest): the sparse rows are then selected and attended one at a
+    #: time, each against the keys up to its own position, exactly as token-by-token decoding would.
+    #: (Assumes the keys end at the call's last row: a cache without padding.)
+    sequential_rows: bool = False
+
+    def sparse_rows(self, rows: int, keys: int) -> int:
+        """How many of a call's ``rows`` query rows (the last ones) run sparse; ``keys`` cached keys."""
+        raise NotImplementedError
+
+    def select(self, query: Tensor, key: Tensor, value: Tensor, scaling: float, attention_mask: Optional[Tensor],
+               cache_layer, start_layer) -> Tuple[Tensor, Tensor]:
+        """``(indices, counts)`` of the sparse rows (the arguments are the forward's, see the module docstring)."""
+        raise NotImplementedError
+
+    def observe_dense(self, query: Tensor, key: Tensor, scaling: float) -> None:
+        """The first ``L - P`` rows ``(B, Hq, L - P, D)`` ran dense against ``key[:, :, :N - P]``."""
+
+    def observe_sparse(self, query: Tensor, key: Tensor, indices: Tensor, counts: Tensor, lse: Tensor,
+                       scaling: float) -> None:
+        """The sparse rows attended to their selection with log-sum-exp ``lse`` float32 ``(B, Hq, P)``."""
+
+
 @dataclasses.dataclass(frozen=True)
-class LayerRuntime:
-    """What one patched attention layer needs at run time."""
+class LayerRuntime(KeySelection):
+    """HashAttention's selection for one patched attention layer: learned signatures, Hamming top-k."""
 
     adapter: LayerAdapter
     config: HashAttentionConfig
@@ -62,6 +102,36 @@ class LayerRuntime:
     #: The model's last sparse layer: it ends the forward's use of the shared bounds
     #: (:meth:`hashattention.cache.SharedSelectionBounds.release`).
     last_sparse_layer: bool = False
+
+    def sparse_rows(self, rows: int, keys: int) -> int:
+        return rows if rows == 1 else min(self.config.sparse_prompt_tokens, rows)
+
+    def select(self, query, key, value, scaling, attention_mask, cache_layer, start_layer):
+        batch = query.shape[0]
+        if cache_layer is None:  # no cache (use_cache=False): encode the keys of this call
+            query_signatures, key_signatures = self.adapter.decode_signatures(query, key)
+
+            def valid_lengths():
+                return torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
+        else:
+
+            def valid_lengths():
+                return cache_layer.valid_lengths(batch, query.device)
+        lengths, start_positions, budgets = selection_bounds(
+            self.config, attention_mask, valid_lengths, batch, query.device, cache_layer, start_layer,
+            last_layer=self.last_sparse_layer,
+        )
+        arguments = selection_arguments(self, key.shape[2], lengths, start_positions, budgets)
+        if cache_layer is not None:
+            # A static cache's decode step: the keys this forward appended are encoded and stored by the
+            # selection's own op (one launch where the CUDA kernel can); otherwise they are written here,
+            # before the selection reads them.
+            select_pending = getattr(cache_layer, "select_with_pending_keys", None)
+            selection = select_pending(query, **arguments) if select_pending is not None else None
+            if selection is not None:
+                return selection
+            query_signatures, key_signatures = cache_layer.query_and_key_signatures(query)
+        return ops.hamming_topk(query_signatures, key_signatures, **arguments)
 
 
 def hashattention_mask(*args, **kwargs) -> Optional[Tensor]:
@@ -155,21 +225,14 @@ def compute_selection_bounds(
     )
 
 
-def heavy_budgets(config: HashAttentionConfig, valid_keys: Tensor) -> Tensor:
-    """int32 ``(B,)`` signature-selected tokens per sequence from its valid key count (on the device)."""
-    return budgets_from_valid_keys(
-        valid_keys, config.sparsity, config.budget_tokens, config.window_tokens, config.dense_below_tokens
-    )
-
-
 def selection_arguments(
     runtime: LayerRuntime, keys: int, lengths: Tensor, start_positions: Tensor, budgets: Optional[Tensor]
 ) -> dict:
     """:func:`hashattention.ops.hamming_topk`'s keyword arguments after the signatures, for a layer whose
-    cache holds ``keys`` slots (``budgets`` None: :func:`heavy_budgets` of the valid keys)."""
+    cache holds ``keys`` slots (``budgets`` None: :meth:`HashAttentionConfig.heavy_tokens` of the valid keys)."""
     config = runtime.config
     if budgets is None:
-        budgets = heavy_budgets(config, lengths - start_positions)
+        budgets = config.heavy_tokens(lengths - start_positions).to(torch.int32)
     return dict(
         selection_heads=runtime.selection_heads,
         sink_tokens=config.sink_tokens,
@@ -186,45 +249,65 @@ def select_and_attend(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    key_signatures: Optional[Tensor],
+    key_signatures: Tensor,
     lengths: Tensor,
     start_positions: Tensor,
     scaling: float,
     budgets: Optional[Tensor] = None,
-    query_signatures: Optional[Tensor] = None,
-    workspace: Optional[Tensor] = None,
-    selection: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tensor:
-    """Sparse attention of query rows that end at each sequence's ``lengths``.
+    """A decode step's sparse attention from signatures already in a cache, alone (the benchmarks time it).
 
     Args:
         query: ``(B, Hq, P, D)``, the last ``P`` rows of the chunk.
         key, value: ``(B, Hkv, N, D)`` cache (HF layout, read in place).
-        key_signatures: int32 ``(B, Hk, S, W)`` with ``S >= N`` (a static cache rounds ``S`` up to
-            a multiple of 4; rows at or beyond ``lengths`` are never selected).
+        key_signatures: int32 ``(B, Hk, S, W)`` with ``S >= N`` (rows at or beyond ``lengths`` are never
+            selected).
         lengths, start_positions: int32 ``(B,)`` on the device.
-        budgets: int32 ``(B,)`` heavy tokens per sequence; None: :func:`heavy_budgets` of the
-            valid keys.
-        query_signatures: int32 ``(B, Hq, P, W)`` when already encoded (with the new keys, in
-            one call); None: encoded here.
-        workspace: zeroed int32 counters for :func:`hashattention.ops.sparse_attention` (a static
-            cache layer's), or None.
-        selection: ``(indices, counts)`` when already selected (by
-            :func:`hashattention.ops.encode_pair_and_select`, with :func:`selection_arguments`); then
-            ``key_signatures`` and ``query_signatures`` are not read.
+        budgets: int32 ``(B,)`` heavy tokens per sequence; None: from the valid keys.
 
     Returns:
         ``(B, Hq, P, D)`` in the query dtype.
     """
-    if selection is None:
-        if query_signatures is None:
-            query_signatures = runtime.adapter.query_signatures(query)
-        selection = ops.hamming_topk(
-            query_signatures, key_signatures,
-            **selection_arguments(runtime, key.shape[2], lengths, start_positions, budgets),
-        )
-    indices, counts = selection
-    out, _ = ops.sparse_attention(query, key, value, indices, counts, scale=scaling, workspace=workspace)
+    indices, counts = ops.hamming_topk(
+        runtime.adapter.query_signatures(query), key_signatures,
+        **selection_arguments(runtime, key.shape[2], lengths, start_positions, budgets),
+    )
+    out, _ = ops.sparse_attention(query, key, value, indices, counts, scale=scaling)
+    return out
+
+
+def _dense_rows(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                sparse_rows: int, dropout: float, scaling: float, kwargs) -> Tensor:
+    """SDPA of the first ``L - P`` rows of a call whose last ``P = sparse_rows`` rows run sparse: ``(B, L - P, Hq, D)``."""
+    rows = query.shape[2]
+    if sparse_rows and attention_mask is None:
+        # SDPA skipped the mask: a prefill from position 0 without padding, so the dense rows
+        # are positions 0 .. rows - 1 and see only the first rows keys.
+        key, value = key[:, :, :rows], value[:, :, :rows]
+    elif sparse_rows:
+        attention_mask = attention_mask[:, :, :rows]
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    **kwargs)
+    return out
+
+
+def _sparse_rows(selection: KeySelection, query: Tensor, key: Tensor, value: Tensor, scaling: float,
+                 attention_mask: Optional[Tensor], cache_layer, start_layer) -> Tensor:
+    """Attention of the last ``P`` rows over their selected keys: ``(B, Hq, P, D)``."""
+    rows, keys = query.shape[2], key.shape[2]
+    if selection.sequential_rows and rows > 1:
+        outs = []
+        for row in range(rows):
+            seen = keys - rows + row + 1
+            mask = None if attention_mask is None else attention_mask[:, :, row : row + 1, :seen]
+            outs.append(_sparse_rows(selection, query[:, :, row : row + 1], key[:, :, :seen], value[:, :, :seen],
+                                     scaling, mask, cache_layer, start_layer))
+        return torch.cat(outs, dim=2)
+    indices, counts = selection.select(query, key, value, scaling, attention_mask, cache_layer, start_layer)
+    workspace_of = getattr(cache_layer, "attention_workspace", None)  # static cache layers only
+    workspace = workspace_of(query.shape[0], query.shape[1], rows) if workspace_of is not None else None
+    out, lse = ops.sparse_attention(query, key, value, indices, counts, scale=scaling, workspace=workspace)
+    selection.observe_sparse(query, key, indices, counts, lse, scaling)
     return out
 
 
@@ -239,68 +322,28 @@ def hashattention_attention_forward(
     **kwargs,
 ) -> Tuple[Tensor, None]:
     """transformers attention function: returns ``(out (B, L, Hq, D), None)``."""
-    runtime: Optional[LayerRuntime] = kwargs.pop("hashattention", None)
+    selection: Optional[KeySelection] = kwargs.pop("hashattention", None)
     cache_layer = kwargs.pop("hashattention_cache_layer", None)
     start_layer = kwargs.pop("hashattention_start_layer", None)
-    if runtime is None or runtime.dense:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-    batch, _, rows, head_dim = query.shape
-    sparse_rows = rows if rows == 1 else min(runtime.config.sparse_prompt_tokens, rows)
-    if sparse_rows == 0:
-        if cache_layer is not None:
-            cache_layer.flush_pending_keys()  # keys appended by this forward never outlive it
+    if selection is None or selection.dense:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if scaling is None:
-        scaling = head_dim**-0.5
+        scaling = query.shape[-1] ** -0.5
 
-    sparse_query = query[:, :, rows - sparse_rows :]
-    if cache_layer is None:  # no cache (use_cache=False): encode the keys of this call
-        query_signatures, key_signatures = runtime.adapter.decode_signatures(sparse_query, key)
-
-        def valid_lengths():
-            return torch.full((batch,), key.shape[2], dtype=torch.int32, device=query.device)
-    else:
-
-        def valid_lengths():
-            return cache_layer.valid_lengths(batch, query.device)
-    lengths, start_positions, budgets = selection_bounds(
-        runtime.config, attention_mask, valid_lengths, batch, query.device, cache_layer, start_layer,
-        last_layer=runtime.last_sparse_layer,
-    )
-    selection = None
-    if cache_layer is not None:
-        # A static cache's decode step: the keys this forward appended are encoded and stored by the
-        # selection's own op (one launch where the CUDA kernel can); otherwise they are written here,
-        # before the selection reads them.
-        select_pending = getattr(cache_layer, "select_with_pending_keys", None)
-        if select_pending is not None:
-            selection = select_pending(
-                sparse_query, **selection_arguments(runtime, key.shape[2], lengths, start_positions, budgets)
-            )
-        if selection is None:
-            query_signatures, key_signatures = cache_layer.query_and_key_signatures(sparse_query)
-        else:
-            query_signatures = key_signatures = None
-
-    workspace_of = getattr(cache_layer, "attention_workspace", None)  # static cache layers only
-    workspace = workspace_of(batch, query.shape[1], sparse_rows) if workspace_of is not None else None
-    sparse_out = select_and_attend(
-        runtime, sparse_query, key, value, key_signatures, lengths, start_positions, scaling, budgets,
-        query_signatures=query_signatures, workspace=workspace, selection=selection,
-    ).transpose(1, 2)
-    if sparse_rows == rows:
-        return sparse_out.contiguous(), None
-
+    rows, keys = query.shape[2], key.shape[2]
+    sparse_rows = selection.sparse_rows(rows, keys)
     dense_rows = rows - sparse_rows
-    dense_query = query[:, :, :dense_rows]
-    if attention_mask is None:
-        # SDPA skipped the mask: a prefill from position 0 without padding, so the dense rows
-        # are positions 0 .. dense_rows - 1 and see only the first dense_rows keys.
-        dense_key, dense_value, dense_mask = key[:, :, :dense_rows], value[:, :, :dense_rows], None
-    else:
-        dense_key, dense_value, dense_mask = key, value, attention_mask[:, :, :dense_rows]
-    dense_out, _ = sdpa_attention_forward(
-        module, dense_query, dense_key, dense_value, dense_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
-    return torch.cat([dense_out, sparse_out], dim=1), None
+    parts = []
+    if dense_rows:
+        dense_query = query[:, :, :dense_rows]
+        parts.append(_dense_rows(module, dense_query, key, value, attention_mask, sparse_rows, dropout, scaling,
+                                 kwargs))
+        selection.observe_dense(dense_query, key[:, :, : keys - sparse_rows], scaling)
+    if sparse_rows:
+        sparse_out = _sparse_rows(selection, query[:, :, dense_rows:], key, value, scaling, attention_mask,
+                                  cache_layer, start_layer)
+        parts.append(sparse_out.transpose(1, 2))
+    elif cache_layer is not None:
+        cache_layer.flush_pending_keys()  # keys appended by this forward never outlive it
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out.contiguous(), None

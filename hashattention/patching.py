@@ -48,7 +48,8 @@ class PatchHandle:
             unpatch(self.model)
 
 
-def _decoder_layers(model):
+def decoder_layers(model):
+    """The decoder layers of a transformers causal LM or base model (``model.model.layers``)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(base, "layers", None)
     if layers is None:
@@ -130,9 +131,9 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
     selection_heads = heads if config.selection == "query_head" else adapters.config.num_kv_heads
     previous = model.config._attn_implementation
     hooks = []
-    decoder_layers = _decoder_layers(model)
-    sparse_layers = [index for index in range(len(decoder_layers)) if index not in config.dense_layers]
-    for index, decoder_layer in enumerate(decoder_layers):
+    layers = decoder_layers(model)
+    sparse_layers = [index for index in range(len(layers)) if index not in config.dense_layers]
+    for index, decoder_layer in enumerate(layers):
         attention = decoder_layer.self_attn
         runtime = LayerRuntime(
             adapter=adapters[index],

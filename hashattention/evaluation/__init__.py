@@ -2,8 +2,9 @@
 
 * :mod:`.selectors` -- one file per selector (full, oracle, StreamingLLM, H2O, Quest,
   Double Sparsity, SimHash LSH, HashAttention), discovered by a registry;
-* :mod:`.attention_hook` -- the evaluation's own ``AttentionInterface`` function: dense rows
-  through SDPA, sparse rows through the selector and :func:`hashattention.sparse_attention`;
+* :mod:`.attention_hook` -- runs the selectors inside the model through the package's attention
+  function: dense rows through SDPA, sparse rows through the selector and
+  :func:`hashattention.sparse_attention`;
 * :mod:`.metrics` -- recall of the true top-k, attention mass, NLL, RULER string match;
 * :mod:`.tasks` -- RULER-style synthetic tasks generated from local text;
 * :mod:`.harness` -- the evaluation loop with a resumable per-sample cache (:mod:`.store`);

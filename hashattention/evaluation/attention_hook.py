@@ -1,16 +1,19 @@
-"""The evaluation's own attention function for transformers' ``AttentionInterface``.
+"""How the evaluation runs its selectors inside the model: through the package's one attention function.
 
-Registered as ``"hashattention_evaluation"``. While a :class:`SparseRun` is active (see
-:func:`activate`), every attention layer of the model splits its query rows by position:
+:func:`evaluation_attention` switches the model to the ``"hashattention"`` attention
+(:func:`hashattention.attention.hashattention_attention_forward`) and adds a forward pre-hook to
+every attention module. While a :class:`SparseRun` is active (see :func:`activate`) the hook hands
+each layer a :class:`SelectorLayer`, the :class:`~hashattention.attention.KeySelection` of the run's
+selector, and the attention function splits the query rows by position:
 
-* rows at positions ``< sparse_from`` run dense (SDPA with an explicit causal mask) and are
-  shown to the selector (:meth:`Selector.observe_dense`), e.g. for H2O's statistics;
+* rows at positions ``< sparse_from`` run dense (SDPA) and are shown to the selector
+  (:meth:`Selector.observe_dense`), e.g. for H2O's statistics;
 * rows at positions ``>= sparse_from`` ask the selector for ``(indices, counts)`` under the
   run's :class:`Budget` and attend through :func:`hashattention.sparse_attention`; a
   :class:`~.metrics.SelectionRecorder`, when given, measures recall and attention mass there.
 
 The full-model selector (``dense = True``) runs every row through SDPA (and is recorded as
-selecting everything). Without an active run the function is plain causal SDPA.
+selecting everything). Without an active run the layers run plain SDPA.
 
 Scope: batch without padding (each call's query rows are the last ``L`` positions of its
 ``N`` keys), which is how the harness drives the model (one sequence at a time).
@@ -23,20 +26,19 @@ import dataclasses
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from transformers.modeling_utils import AttentionInterface
 
-from .. import ops
+from ..attention import ATTENTION_NAME, KeySelection, register
+from ..patching import decoder_layers
 from .metrics import SelectionRecorder, selection_mask
 from .selectors.base import Budget, Selector
 
-ATTENTION_NAME = "hashattention_evaluation"
+_HOOKS_ATTRIBUTE = "_hashattention_evaluation_hooks"
 
 
 @dataclasses.dataclass
 class SparseRun:
-    """What the hook does while active.
+    """What the evaluated model does while the run is active.
 
     Attributes:
         selector: the selector of the sparse rows (and observer of the dense rows).
@@ -67,98 +69,70 @@ def activate(run: SparseRun) -> Iterator[SparseRun]:
         _ACTIVE = None
 
 
-def _dense_attention(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-    """Causal SDPA for rows at the last positions; ``(B, Hq, L, D)``."""
-    rows, keys = query.shape[2], key.shape[2]
-    gqa = key.shape[1] != query.shape[1]
-    if rows == keys:
-        # A prefill from an empty cache: SDPA's own causal path (no (L, N) mask to build or read;
-        # on CPU it is the flash kernel, which also skips the masked half -- ~2x faster at 8K).
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    positions = torch.arange(keys, device=query.device)
-    row_positions = keys - rows + torch.arange(rows, device=query.device)
-    mask = positions[None, :] <= row_positions[:, None]
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
-    )
+class SelectorLayer(KeySelection):
+    """One attention layer under a :class:`SparseRun`: its selector chooses the keys of the sparse rows."""
+
+    def __init__(self, run: SparseRun, layer: int):
+        self.run, self.layer = run, layer
+        self.selector: Selector = run.selector
+        self.sequential_rows = self.selector.sequential_rows
+
+    def _dense_rows(self, rows: int, keys: int) -> int:
+        """The call's rows before ``sparse_from`` (its rows are the last ``rows`` of ``keys`` positions)."""
+        if self.run.sparse_from is None:
+            return rows
+        return min(max(self.run.sparse_from - (keys - rows), 0), rows)
+
+    def sparse_rows(self, rows: int, keys: int) -> int:
+        return 0 if self.selector.dense else rows - self._dense_rows(rows, keys)
+
+    def observe_dense(self, query: Tensor, key: Tensor, scaling: float) -> None:
+        rows, keys = query.shape[2], key.shape[2]
+        before = self._dense_rows(rows, keys)
+        if before:
+            self.selector.observe_dense(self.layer, query[:, :, :before], key[:, :, : keys - rows + before], scaling)
+        if before < rows and self.run.recorder is not None:
+            # The full model's rows past sparse_from: it selects every key.
+            everything = torch.ones(query.shape[0], query.shape[1], rows - before, keys, dtype=torch.bool,
+                                    device=query.device)
+            self.run.recorder.record(self.layer, query[:, :, before:], key, everything, scaling)
+
+    def select(self, query, key, value, scaling, attention_mask, cache_layer, start_layer):
+        return self.selector.select(self.layer, query, key, value, self.run.budget, scaling)
+
+    def observe_sparse(self, query, key, indices, counts, lse, scaling):
+        self.selector.observe_sparse(self.layer, query, key, indices, counts, lse, scaling)
+        if self.run.recorder is not None:
+            selected = selection_mask(indices, counts, key.shape[2], query.shape[1])
+            self.run.recorder.record(self.layer, query, key, selected, scaling)
 
 
-def _sparse_rows(run: SparseRun, layer: int, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-    """Sparse attention of the last ``P`` rows of ``query`` (positions ``N - P .. N - 1``)."""
-    selector, budget = run.selector, run.budget
-    keys, rows = key.shape[2], query.shape[2]
-    if selector.dense:
-        out = _dense_attention(query, key, value, scaling)
-        if run.recorder is not None:
-            everything = torch.ones(query.shape[0], query.shape[1], rows, keys, dtype=torch.bool, device=query.device)
-            run.recorder.record(layer, query, key, everything, scaling)
-        return out
-    if selector.sequential_rows and rows > 1:
-        # Each row's selection depends on the attention of the rows before it: one at a time,
-        # each against the keys up to its own position.
-        outs = [
-            _sparse_rows(run, layer, query[:, :, r : r + 1], key[:, :, : keys - rows + r + 1],
-                         value[:, :, : keys - rows + r + 1], scaling)
-            for r in range(rows)
-        ]
-        return torch.cat(outs, dim=2)
-    indices, counts = selector.select(layer, query, key, value, budget, scaling)
-    out, lse = ops.sparse_attention(query, key, value, indices, counts, scale=scaling)
-    selector.observe_sparse(layer, query, key, indices, counts, lse, scaling)
-    if run.recorder is not None:
-        selected = selection_mask(indices, counts, keys, query.shape[1])
-        run.recorder.record(layer, query, key, selected, scaling)
-    return out
-
-
-def evaluation_attention_forward(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Optional[Tensor],
-    dropout: float = 0.0,
-    scaling: Optional[float] = None,
-    **kwargs,
-):
-    """transformers attention function: ``(out (B, L, Hq, D), None)``."""
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+def _hand_over_the_active_run(module, args, kwargs):
+    """Forward pre-hook of an attention module: its :class:`SelectorLayer` under the active run, if any."""
     run = _ACTIVE
-    rows, keys = query.shape[2], key.shape[2]
-    if run is None or run.selector is None:
-        return _dense_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
-    layer = module.layer_idx
-    first_position = keys - rows
-    if run.sparse_from is None:
-        dense_rows = rows
-    else:
-        dense_rows = min(max(run.sparse_from - first_position, 0), rows)
-    parts = []
-    if dense_rows:
-        dense_key, dense_value = key[:, :, : first_position + dense_rows], value[:, :, : first_position + dense_rows]
-        dense_query = query[:, :, :dense_rows]
-        parts.append(_dense_attention(dense_query, dense_key, dense_value, scaling))
-        run.selector.observe_dense(layer, dense_query, dense_key, scaling)
-    if dense_rows < rows:
-        parts.append(_sparse_rows(run, layer, query[:, :, dense_rows:], key, value, scaling))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register() -> None:
-    """Register the attention function (idempotent). No mask function is registered: the hook
-    builds its own causal mask, so transformers skips mask construction."""
-    AttentionInterface.register(ATTENTION_NAME, evaluation_attention_forward)
+    kwargs["hashattention"] = SelectorLayer(run, module.layer_idx) if run is not None and run.selector else None
+    return args, kwargs
 
 
 @contextlib.contextmanager
 def evaluation_attention(model) -> Iterator[None]:
-    """Switch ``model`` to the evaluation attention for the block, then restore its implementation."""
+    """Run ``model``'s attention through the active :class:`SparseRun` for the block, then restore the model.
+
+    Nests: an inner block inside an outer one on the same model changes nothing.
+    """
+    if getattr(model, _HOOKS_ATTRIBUTE, None) is not None:
+        yield
+        return
     register()
     previous = model.config._attn_implementation
+    hooks = [layer.self_attn.register_forward_pre_hook(_hand_over_the_active_run, with_kwargs=True)
+             for layer in decoder_layers(model)]
+    setattr(model, _HOOKS_ATTRIBUTE, hooks)
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
+        delattr(model, _HOOKS_ATTRIBUTE)
         model.set_attn_implementation(previous)
