@@ -14,15 +14,10 @@ import torch
 import hashattention as ha
 from hashattention import reference
 from conftest import generator_for
-from ops.test_encode_signatures import MARGIN, at_element_offset, check_bits, make_mlp
+from encoder_helpers import MARGIN, at_element_offset, check_bits, make_mlp, strided
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="thread-block clusters: sm_90")
-
-
-def strided(batch, heads, tokens, dim, generator, dtype, device):
-    """A (B, H, N, D) view of a (B, N, H, D) tensor, as an attention layer's queries and keys are."""
-    return torch.randn(batch, tokens, heads, dim, generator=generator).to(dtype).to(device).transpose(1, 2)
 
 
 def reference_bits(x, weights, biases, activation="silu"):

@@ -17,7 +17,7 @@ import torch
 import hashattention as ha
 from hashattention import reference
 from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
-from ops.test_encode_signatures import make_mlp
+from encoder_helpers import make_mlp
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"

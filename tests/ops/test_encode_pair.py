@@ -10,13 +10,7 @@ import torch
 import hashattention as ha
 from hashattention import reference
 from conftest import generator_for
-from test_encode_signatures import MARGIN, check_bits, make_mlp
-
-
-def strided(batch, heads, tokens, dim, generator, dtype, device):
-    """A (B, H, N, D) view of a (B, N, H, D) tensor, as an attention layer's queries and keys are."""
-    x = torch.randn(batch, tokens, heads, dim, generator=generator).to(dtype).to(device)
-    return x.transpose(1, 2)
+from encoder_helpers import MARGIN, check_bits, make_mlp, strided
 
 
 def two_calls(query, qw, qb, key, kw, kb, activation):

@@ -12,8 +12,7 @@ import torch
 
 import hashattention as ha
 from conftest import generator_for, random_lengths, random_signatures
-from test_encode_pair import strided
-from test_encode_signatures import make_mlp
+from encoder_helpers import make_mlp, strided
 
 ERRORS = (RuntimeError, TypeError, ValueError)  # TORCH_CHECK, TORCH_CHECK_TYPE, TORCH_CHECK_VALUE
 

@@ -11,8 +11,8 @@ import torch
 
 import hashattention as ha
 from conftest import generator_for, random_signatures
-from test_encode_pair import SHAPES, strided
-from test_encode_signatures import make_mlp
+from encoder_helpers import make_mlp, strided
+from test_encode_pair import SHAPES
 
 
 def cache_buffer(layout, batch, heads, slots, words, generator, device):
