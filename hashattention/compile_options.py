@@ -1,8 +1,8 @@
 """Inductor options for the fastest compiled decode step, in one dict.
 
 ``torch.compile`` takes either a ``mode`` or an ``options`` dict, not both, so the settings measured
-in ``scripts/bench_generate.py`` are gathered here as options (``mode="reduce-overhead"`` is the
-option ``triton.cudagraphs``)::
+by the decode benchmark (``python -m benchmarks.decode_loop``) are gathered here as options
+(``mode="reduce-overhead"`` is the option ``triton.cudagraphs``)::
 
     from hashattention.compile_options import decode_compile_options
 
@@ -10,7 +10,7 @@ option ``triton.cudagraphs``)::
         step = torch.compile(model.forward, fullgraph=True, options=decode_compile_options())
         out = step(input_ids=..., past_key_values=static_cache, ...)
 
-What each option bought on Llama-3.1-8B decode at 128K, 32x per query head (README, end-to-end):
+What each option bought on Llama-3.1-8B decode at 128K, 32x per query head (docs/benchmarks.md):
 
 * ``triton.cudagraphs``: the step as one CUDA graph (what ``mode="reduce-overhead"`` sets);
 * ``triton.enable_pdl``: inductor's Triton kernels launched programmatically (sm_90 and later; inductor

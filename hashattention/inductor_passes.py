@@ -22,17 +22,16 @@ The concatenated weights are new constants beside the module's own parameters (t
 usable eagerly), so they cost their bytes once more: 1.6 GB for Llama-3.1-8B's q | k | v. Without
 freezing the weights are graph inputs, not constants, and the pass changes nothing. It applies to
 dense and HashAttention steps alike; the decode benchmark uses it for both
-(``scripts/bench_generate.py --inductor-option post_grad_custom_pre_pass='concat_projections'``).
+(``python -m benchmarks.decode_loop``, by default with the kept layout).
 
 Weight layout. Frozen ``nn.Linear`` weights reach the GEMM as transposed views (column-major
 ``(in, out)``), which cuBLAS runs as "TN" kernels. ``layout="keep"`` (the default) concatenates
 column-major members column-major, so the merged GEMM stays a TN kernel like the ones it replaces;
 ``layout="row_major"`` stores the concatenation row-major, an "NN" kernel. On an H100 at B = 2 / 128K
-(benchmarks/results/bench_generate_20261206_s41_layout_h100.md) cuBLAS ran the kept layout without
-split-K (19.9 µs per layer, one reduction launch fewer) and the row-major one with it (19.3 µs plus
-the reduction): HashAttention's decode step 8.475 against 8.510 ms, dense's level (17.382 / 17.376).
-Either merge beats the three separate GEMMs (~22 µs per layer,
-benchmarks/results/bench_generate_20261206_s40_concat_h100.md).
+(Llama-3.1-8B shape) cuBLAS ran the kept layout without split-K (19.9 µs per layer, one reduction
+launch fewer) and the row-major one with it (19.3 µs plus the reduction): HashAttention's decode step
+8.475 against 8.510 ms, dense's level (17.382 / 17.376). Either merge beats the three separate GEMMs
+(~22 µs per layer).
 """
 
 from __future__ import annotations

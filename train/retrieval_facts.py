@@ -2,7 +2,7 @@
 
 Prose rarely makes a query attend far back to one exact earlier phrase, which is what a retrieval
 head does when a question names a fact stated thousands of tokens before (the evaluation's needle
-tasks). Adapters fitted on prose alone keep half or less of that attention (README, Evaluation).
+tasks). Adapters fitted on prose alone keep half or less of that attention (docs/training.md).
 With ``retrieval_facts = F`` each *training* sequence gets F facts of the form
 
     "Note: the access code of the <word> vault is <digits>."
