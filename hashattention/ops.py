@@ -29,8 +29,6 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .activations import ACTIVATIONS  # noqa: F401  (the names accepted for ``activation``)
-
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
