@@ -37,6 +37,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     path = smollm2_gguf_path()
     directory, name = os.path.dirname(path), os.path.basename(path)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    if tokenizer.pad_token is None:  # the GGUF has none; batches with left padding need one
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=dtype, attn_implementation=attn_implementation
     )

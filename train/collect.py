@@ -102,7 +102,7 @@ def shard_paths(config: TrainConfig, split: str) -> List[str]:
 COLLECTION_FIELDS = ("model", "tokenizer", "dataset", "corpus", "validation_modulus", "document_tokens", "sequence_tokens",
                      "queries_per_sequence", "query_start_fraction", "shard_dtype", "seed", "sink_tokens",
                      "local_tokens", "top_k", "max_position_offset", "retrieval_facts", "retrieval_fact_style")
-# Fields added after manifests were first written, with the value older manifests imply.
+# Fields a manifest may lack, with the value its absence means.
 COLLECTION_FIELD_DEFAULTS = {"max_position_offset": 0, "retrieval_facts": 0, "retrieval_fact_style": "repeat"}
 
 

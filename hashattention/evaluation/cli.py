@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibration-tokens", type=int, default=2048,
                         help="tokens of non-held-out text for Double Sparsity's channel calibration")
     parser.add_argument("--adapters", default=None,
-                        help="trained HashAttention adapters (a directory); default for smollm2: the shipped "
+                        help="trained HashAttention adapters (a directory or a shipped name); default for smollm2: the shipped "
                              f"{SMOLLM2_ADAPTERS!r} adapters")
     parser.add_argument("--group-adapters", default=None,
                         help="adapters for the group-shared selector (default: --adapters)")
@@ -103,13 +103,25 @@ def load_model(name: str, tokenizer_kind: str):
     return model, tokenizer, os.path.basename(os.path.abspath(name))
 
 
+def adapter_directory(value, flag: str):
+    """The adapter directory that ``value`` names: a directory, or the name of shipped adapters.
+
+    A value that is neither is an error here, before the model loads, instead of learned rows
+    silently skipped later."""
+    if value is None or os.path.isdir(value):
+        return value
+    if value in pretrained_names():
+        return pretrained_path(value)
+    raise ValueError(f"{flag} {value!r} is neither a directory nor shipped adapters (shipped: {pretrained_names()})")
+
+
 def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
     """The model, tokenizer and :class:`Evaluation` that the parsed command-line ``args`` describe."""
     if args.corpus is None:
         raise ValueError("--corpus DIR is required: the folder of .txt files to evaluate on")
     if args.threads:
         torch.set_num_threads(args.threads)
-    adapters = args.adapters
+    adapters = adapter_directory(args.adapters, "--adapters")
     if adapters is None and args.model == "smollm2" and SMOLLM2_ADAPTERS in pretrained_names():
         adapters = pretrained_path(SMOLLM2_ADAPTERS)
     model, tokenizer, model_name = load_model(args.model, args.tokenizer)
@@ -131,7 +143,7 @@ def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
         held_out_modulus=args.held_out_modulus,
         calibration_tokens=args.calibration_tokens,
         adapters_dir=adapters,
-        group_adapters_dir=args.group_adapters,
+        group_adapters_dir=adapter_directory(args.group_adapters, "--group-adapters"),
         model_name=model_name,
         max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,

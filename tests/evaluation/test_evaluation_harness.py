@@ -192,3 +192,15 @@ def test_task_prompt_selection_diagnostic(model, tmp_path):
     assert rows[("streaming", 64.0)][0] < 1.0 and rows[("streaming", 64.0)][1] < 1.0
     # the needle sits mid-haystack: a full budget keeps all the attention to it
     assert rows[("streaming", 1.0)][2] == pytest.approx(1.0) and rows[("oracle", 1.0)][2] == pytest.approx(1.0)
+
+
+def test_adapter_flags_take_a_directory_or_a_shipped_name(tmp_path):
+    from hashattention.adapters import pretrained_names, pretrained_path
+    from hashattention.evaluation.cli import adapter_directory
+
+    assert adapter_directory(None, "--adapters") is None
+    assert adapter_directory(str(tmp_path), "--adapters") == str(tmp_path)
+    name = pretrained_names()[0]
+    assert adapter_directory(name, "--adapters") == pretrained_path(name)
+    with pytest.raises(ValueError, match="--group-adapters 'no-such-adapters' is neither a directory"):
+        adapter_directory("no-such-adapters", "--group-adapters")

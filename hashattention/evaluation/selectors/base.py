@@ -129,9 +129,9 @@ class Selector:
     #: rows are selected with their keys only (run dense through SDPA) -- the full model.
     dense: ClassVar[bool] = False
     #: a row's selection depends on more than its own query and each key alone -- the
-    #: attention of earlier sparse rows (H2O) or the other keys of a page (Quest): the hook
-    #: then feeds the sparse rows one at a time, each against the keys up to its position,
-    #: exactly as token-by-token decoding would.
+    #: attention of earlier sparse rows (H2O) or the other keys of a page (Quest): the
+    #: attention function (``hashattention.attention``) then feeds the sparse rows one at a
+    #: time, each against the keys up to its position, exactly as token-by-token decoding would.
     sequential_rows: ClassVar[bool] = False
     #: "query": one selection per query head; "kv": one per KV group (summed scores).
     selection: str = "query"
