@@ -147,6 +147,8 @@ def parse_args(argv=None):
                         help="default bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--out", default=None,
                         help="folder of decode_loop_<gpu>.{json,md} (default: benchmarks/results)")
+    parser.add_argument("--render", metavar="JSON", default=None,
+                        help="rewrite the Markdown table of a results file from its JSON, measuring nothing")
     parser.add_argument("--merge", action="store_true",
                         help="add this run's rows to the existing results files (a row of the same B, n and method "
                              "replaced) instead of replacing the files")
@@ -906,8 +908,20 @@ class Benchmark:
         return result
 
 
+def render(json_path: str) -> dict:
+    """Rewrite ``<name>.md`` beside ``json_path`` from the rows recorded in it."""
+    record = load_previous(json_path)
+    if not record.get("rows"):
+        raise SystemExit(f"{json_path}: no rows to render")
+    write_results(record, json_path, os.path.splitext(json_path)[0] + ".md")
+    print(f"wrote {os.path.splitext(json_path)[0]}.md", flush=True)
+    return record
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.render:
+        return render(args.render)
     if args.process_per_method:
         from benchmarks.decode_loop_processes import run_in_processes
 

@@ -133,6 +133,12 @@ def test_prefill_fill_and_merge(tmp_path):
     assert "time budget" in methods["hash-query_head-16"]["reason"]
     assert len(record["runs"]) == 3
 
+    # --render rewrites the table from the JSON alone, exactly as the run wrote it.
+    written = open(md_path).read()
+    os.remove(md_path)
+    bench.main(["--render", str(tmp_path / os.path.basename(md_path).replace(".md", ".json"))])
+    assert open(md_path).read() == written
+
 
 def first_divergence_reference(tokens, reference):
     """Steps until the first step where any sequence's token differs (all steps if none)."""
