@@ -18,6 +18,13 @@ from . import fit as fit_module
 from .config import add_config_arguments, config_from_arguments
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,11 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("fit", "run"):
             sub.add_argument("--resume", action="store_true",
                              help="continue from the checkpoints in --work-dir (same data order and optimizer state)")
-            sub.add_argument("--stop-after-steps", type=int, default=0,
+            sub.add_argument("--stop-after-steps", type=_non_negative_int, default=0,
                              help="stop this process after N optimizer steps (time-boxed runs; continue with --resume)")
         if name == "validate":
             sub.add_argument("--adapters", default=None, help="adapter directory to validate (default: the run's)")
-        sub.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+        sub.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                         help="logging level (default: INFO)")
     return parser
 
 
@@ -49,7 +57,7 @@ def main(argv=None) -> int:
     from .distributed import DistributedContext
 
     context = DistributedContext()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+    logging.basicConfig(level=getattr(logging, args.log_level),
                         format=f"%(asctime)s rank{context.rank} %(name)s %(levelname)s %(message)s")
     if config.threads:
         torch.set_num_threads(config.threads)

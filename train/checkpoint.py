@@ -7,6 +7,7 @@ plain tensors and numbers only and is read back with ``torch.load(weights_only=T
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any, Callable, Dict, Optional
@@ -37,7 +38,21 @@ def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str) -> Optional[Dict[str, Any]]:
-    """The checkpoint at ``path``, or None when there is none."""
+    """The checkpoint at ``path``, or None when there is none; a file that cannot be read is a
+    ValueError naming it (torch's own message does not)."""
     if not os.path.exists(path):
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    with naming_the_file(path, "checkpoint", "delete it to start this layer again"):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@contextlib.contextmanager
+def naming_the_file(path: str, what: str, remedy: str = ""):
+    """Re-raise an error of reading ``path`` as a ValueError that names the file: torch's and
+    safetensors' messages ("PytorchStreamReader failed reading zip archive", "Error while
+    deserializing header") do not say which file is damaged."""
+    try:
+        yield
+    except Exception as error:
+        hint = f"; {remedy}" if remedy else ""
+        raise ValueError(f"cannot read {what} {path}: {type(error).__name__}: {error}{hint}") from error

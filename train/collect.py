@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
+from hashattention.corpus import corpus_files
+
 from .checkpoint import atomic_write
-from .config import TrainConfig
+from .config import TrainConfig, setting_differences
 from .data import token_sequences
 from .distributed import DistributedContext
 from .retrieval_facts import add_retrieval_facts
@@ -106,17 +108,62 @@ COLLECTION_FIELDS = ("model", "tokenizer", "dataset", "corpus", "validation_modu
 COLLECTION_FIELD_DEFAULTS = {"max_position_offset": 0, "retrieval_facts": 0, "retrieval_fact_style": "repeat"}
 
 
-def _check_manifest(config: TrainConfig) -> None:
-    """Refuse to mix shards collected with different settings in one work_dir."""
-    path = os.path.join(config.work_dir, "shards", "manifest.json")
-    wanted = {name: getattr(config, name) for name in COLLECTION_FIELDS}
-    if os.path.exists(path):
-        with open(path) as f:
-            found = {**COLLECTION_FIELD_DEFAULTS, **json.load(f)}
-        if found != json.loads(json.dumps(wanted)):
-            raise ValueError(f"{path} was written with other collection settings {found}; use another work_dir")
-    else:
-        atomic_write(path, lambda p: open(p, "w").write(json.dumps(wanted, indent=2) + "\n"))
+# Collection settings that fit and validate apply themselves (labels, windows, recall's k), so they may
+# differ there from the values the shards were collected with.
+APPLIED_AFTER_COLLECTION = ("sink_tokens", "local_tokens", "top_k")
+
+
+def manifest_path(config: TrainConfig) -> str:
+    return os.path.join(config.work_dir, "shards", "manifest.json")
+
+
+def check_manifest(config: TrainConfig, ignore: Sequence[str] = ()) -> None:
+    """Refuse settings that differ from those the shards of ``config.work_dir`` were collected with
+    (nothing to compare before the first collection). The error names each differing setting with
+    both values; ``ignore``: settings not compared."""
+    path = manifest_path(config)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        found = {**COLLECTION_FIELD_DEFAULTS, **json.load(f)}
+    wanted = {name: getattr(config, name) for name in COLLECTION_FIELDS if name not in ignore}
+    differences = setting_differences(found, wanted, "shards", "requested")
+    if differences:
+        raise ValueError(f"the shards in {os.path.dirname(path)} were collected with other settings: "
+                         + "; ".join(differences) + ". Use the shards' values or another --work-dir")
+
+
+def record_manifest(config: TrainConfig) -> None:
+    """Write the collection settings into ``shards/manifest.json`` unless it exists."""
+    path = manifest_path(config)
+    if not os.path.exists(path):
+        settings = {name: getattr(config, name) for name in COLLECTION_FIELDS}
+        atomic_write(path, lambda p: open(p, "w").write(json.dumps(settings, indent=2) + "\n"))
+
+
+def require_shards(config: TrainConfig, split: str) -> List[str]:
+    """The shard paths of ``split`` once they are all there and were collected with ``config``'s settings;
+    else a ValueError that says what to run."""
+    paths = shard_paths(config, split)
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        count = "train_sequences" if split == "train" else "validation_sequences"
+        raise ValueError(
+            f"{len(missing)} of the {len(paths)} {split} shards ({count} = {len(paths)}) are missing from "
+            f"{os.path.join(config.work_dir, 'shards', split)}: run `python -m train collect` (or `run`) "
+            f"with --work-dir {config.work_dir} and the same settings first")
+    check_manifest(config, ignore=APPLIED_AFTER_COLLECTION)
+    return paths
+
+
+def check_collection_inputs(config: TrainConfig) -> None:
+    """What collection reads, checked before the model loads: the corpus folder, the model's
+    config (``layers`` and the positions a sequence reaches)."""
+    from .model import check_model_settings, load_model_config
+
+    if config.dataset == "local":
+        corpus_files(config.corpus)  # a ValueError naming the folder when it holds no text
+    check_model_settings(config, load_model_config(config))
 
 
 def collect(config: TrainConfig, context: DistributedContext) -> None:
@@ -124,15 +171,17 @@ def collect(config: TrainConfig, context: DistributedContext) -> None:
     global _active_recorder
     from safetensors.torch import save_file
 
-    os.makedirs(os.path.join(config.work_dir, "shards"), exist_ok=True)
+    # Every rank checks (a rank that failed alone would leave the others waiting at a barrier), and
+    # before the manifest is written, so that a refused setting is not recorded.
+    check_manifest(config)
+    missing = [(split, index) for split in ("train", "validation")
+               for index, path in enumerate(shard_paths(config, split)) if not os.path.exists(path)]
+    if missing:
+        check_collection_inputs(config)
     if context.is_main:
-        _check_manifest(config)
+        record_manifest(config)
     context.barrier()
-    todo = []
-    for split in ("train", "validation"):
-        for index, path in enumerate(shard_paths(config, split)):
-            if index % context.world_size == context.rank and not os.path.exists(path):
-                todo.append((split, index))
+    todo = [(split, index) for split, index in missing if index % context.world_size == context.rank]
     if not todo:
         log.info("collect: all shards present, nothing to do")
         context.barrier()
@@ -141,16 +190,16 @@ def collect(config: TrainConfig, context: DistributedContext) -> None:
     sequences = {split: token_sequences(config, tokenizer, split,
                                         config.train_sequences if split == "train" else config.validation_sequences)
                  for split in {s for s, _ in todo}}
+    for split, index in todo:  # facts that do not fit fail here, before the first forward pass
+        if split == "train":  # validation stays prose: held-out recall comparable across recipes
+            sequences[split][index] = add_retrieval_facts(config, tokenizer, sequences[split][index], index)
     dtype = getattr(torch, config.shard_dtype)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for split, index in tqdm(todo, desc=f"collect[rank {context.rank}]", disable=not context.is_main):
         positions = sample_query_positions(config, split, index)
         recorder = Recorder(positions, dtype)
         _active_recorder = recorder
-        tokens = sequences[split][index]
-        if split == "train":  # validation stays prose: held-out recall comparable across recipes
-            tokens = add_retrieval_facts(config, tokenizer, tokens, index)
-        tokens = tokens[None]
+        tokens = sequences[split][index][None]
         offset = sequence_position_offset(config, split, index)
         position_ids = torch.arange(offset, offset + tokens.shape[1])[None]
         try:

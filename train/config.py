@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from hashattention.activations import ACTIVATIONS
 
 #: The checkout this package runs from (train/ is not installed: it runs from a clone).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,21 +98,39 @@ class TrainConfig:
     output_dir: str = ""  # default: <work_dir>/adapters
 
     def __post_init__(self):
-        self.hidden_features = tuple(int(h) for h in self.hidden_features)
-        self.sparsities = tuple(int(s) for s in self.sparsities)
-        if self.layers is not None:
-            self.layers = tuple(int(x) for x in self.layers)
+        self._normalise_types()
         self.validate()
+
+    def _normalise_types(self) -> None:
+        """Coerce each field to its declared type, refusing values that would change on the way: a
+        fractional count (``epochs = 2.5``, ``sparsities = [8.5]``), a non-finite or non-numeric float,
+        a boolean where a number is expected. (``int(8.5)`` would silently train with 8.)"""
+        for field in dataclasses.fields(self):
+            kind, value = str(field.type), getattr(self, field.name)
+            if value is None and kind.startswith("Optional"):
+                continue
+            if "Tuple" in kind:
+                if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                    raise ValueError(f"TrainConfig.{field.name} must be a list of integers, got {value!r}")
+                setattr(self, field.name, tuple(_integer(field.name, v) for v in value))
+            elif kind == "int":
+                setattr(self, field.name, _integer(field.name, value))
+            elif kind == "float":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"TrainConfig.{field.name} must be a finite number, got {value!r}")
+                setattr(self, field.name, float(value))
+            elif not isinstance(value, str):
+                raise ValueError(f"TrainConfig.{field.name} must be a string, got {value!r}")
 
     def validate(self) -> None:
         positive = ("sequence_tokens", "queries_per_sequence", "top_k", "bits", "epochs", "checkpoint_every",
                     "validation_modulus")
         for name in positive:
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("train_sequences", "validation_sequences", "sink_tokens", "local_tokens", "threads",
                      "document_tokens", "max_position_offset", "retrieval_facts"):
-            if int(getattr(self, name)) < 0:
+            if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.query_start_fraction < 1.0:
             raise ValueError(f"TrainConfig.query_start_fraction must be in [0, 1), got {self.query_start_fraction}")
@@ -119,9 +140,9 @@ class TrainConfig:
                 f"TrainConfig: {self.queries_per_sequence} queries per sequence do not fit in positions "
                 f"[{first_query}, {self.sequence_tokens}) (raise sequence_tokens or lower queries_per_sequence)"
             )
-        choices = {"target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
+        choices = {"tokenizer": ("auto", "bytes"), "target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
                    "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
-                   "save_dtype": ("float32", "bfloat16", "float16"),
+                   "save_dtype": ("float32", "bfloat16", "float16"), "activation": ACTIVATIONS,
                    "retrieval_fact_style": ("repeat", "paraphrase", "multivalue", "frequent", "codes")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -131,12 +152,31 @@ class TrainConfig:
                              f"(its sentences name the three most frequent listed words), got {self.retrieval_facts}")
         if self.bits % 32:
             raise ValueError(f"TrainConfig.bits must be a multiple of 32, got {self.bits}")
-        if any(s < 1 for s in self.sparsities):
-            raise ValueError(f"TrainConfig.sparsities must be positive, got {self.sparsities}")
+        if any(h < 1 for h in self.hidden_features):
+            raise ValueError(f"TrainConfig.hidden_features must be positive widths, got {list(self.hidden_features)}")
+        if not self.sparsities or any(s < 1 for s in self.sparsities):
+            raise ValueError(f"TrainConfig.sparsities must be integers >= 1, got {list(self.sparsities)}")
+        if self.layers is not None:
+            if not self.layers or any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
+                raise ValueError(f"TrainConfig.layers must be distinct layer indices >= 0, got {list(self.layers)}")
         if not 0.0 <= self.positive_attention_mix <= 1.0:
             raise ValueError(f"TrainConfig.positive_attention_mix must be in [0, 1], got {self.positive_attention_mix}")
+        if self.alpha < 0 or self.beta < 0 or self.alpha + self.beta == 0:
+            # the weight of a positive cell, alpha + beta * n, must be positive for every n >= 1
+            raise ValueError(f"TrainConfig.alpha and beta must be >= 0 and not both 0, got {self.alpha} and {self.beta}")
         if self.learning_rate <= 0:
             raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+
+    def selected_layers(self, num_layers: int) -> List[int]:
+        """The layers to train or validate in a model of ``num_layers``: ``layers``, or all of them.
+
+        Raises a ValueError naming the first index that is not a layer of the model."""
+        if self.layers is None:
+            return list(range(num_layers))
+        for layer in self.layers:
+            if layer >= num_layers:
+                raise ValueError(f"TrainConfig.layers: {layer} is not a layer of the model (0..{num_layers - 1})")
+        return list(self.layers)
 
     @property
     def first_query_position(self) -> int:
@@ -176,6 +216,31 @@ class TrainConfig:
             raise ValueError(f"config file {path!r} has unknown keys {unknown}; known: {sorted(known)}")
         return values
 
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int; a ValueError naming the field when it is not a whole number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"TrainConfig.{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def setting_differences(recorded: Mapping[str, Any], current: Mapping[str, Any], recorded_as: str,
+                        current_as: str) -> List[str]:
+    """``"name: <recorded_as> R, <current_as> C"`` for every setting of ``current`` whose value differs
+    from the one in ``recorded`` (compared as JSON, so that a tuple equals its list and 1e-3 equals 0.001)."""
+    def as_json(value):
+        return json.loads(json.dumps(value))
+
+    missing = object()
+    differences = []
+    for name, value in current.items():
+        before = recorded.get(name, missing)
+        if before is missing:
+            differences.append(f"{name}: {recorded_as} not recorded, {current_as} {as_json(value)!r}")
+        elif as_json(before) != as_json(value):
+            differences.append(f"{name}: {recorded_as} {as_json(before)!r}, {current_as} {as_json(value)!r}")
+    return differences
 
 HELP = {
     "model": '"smollm2" (the offline GGUF model) or a local Hugging Face model directory',

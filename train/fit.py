@@ -30,15 +30,25 @@ from tqdm import tqdm
 
 from hashattention.adapters import AdapterConfig, HashAdapters, LayerAdapter
 
-from .checkpoint import atomic_write, load_checkpoint, save_checkpoint
-from .collect import shard_paths
-from .config import TrainConfig
+from .checkpoint import atomic_write, load_checkpoint, naming_the_file, save_checkpoint
+from .collect import require_shards, shard_paths
+from .config import TrainConfig, setting_differences
 from .distributed import DistributedContext
 from .labels import attention_positive_scale, causal_keys, eligible_keys, target_scores, top_k_labels
 
 log = logging.getLogger(__name__)
 #: The command line recorded in the adapters' ``config.training`` (set by ``python -m train``).
 RUN_COMMAND = ""
+#: The settings that decide the fitted weights beyond the shards (which carry their own
+#: settings, :data:`train.collect.COLLECTION_FIELDS`): they cannot change once fitting has started.
+FIT_FIELDS = ("train_sequences", "top_k", "sink_tokens", "local_tokens", "target", "key_heads", "bits",
+              "hidden_features", "activation", "alpha", "beta", "positive_attention_mix", "threshold",
+              "learning_rate", "epochs", "seed")
+#: The settings that may change between a fit and its ``--resume``: which layers this run fits,
+#: how it runs, what validation measures, where the adapters are written and in which dtype.
+#: (Resumed weights are bit-identical for any ``checkpoint_every``.)
+RESUMABLE_FIELDS = ("layers", "threads", "checkpoint_every", "validation_sequences", "sparsities", "save_dtype",
+                    "work_dir", "output_dir")
 
 
 def weighted_bce_loss(logits: Tensor, labels: Tensor, included: Tensor, positive_weight: Tensor,
@@ -112,13 +122,14 @@ def load_layer_samples(paths: List[str], layer: int) -> List[Dict[str, Tensor]]:
     for path in paths:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: run `python -m train collect` first")
-        with safe_open(path, framework="pt") as f:
-            samples.append({
-                "query_positions": f.get_tensor("query_positions"),
-                "queries": f.get_tensor(f"layer.{layer}.queries").float(),
-                "keys": f.get_tensor(f"layer.{layer}.keys").float(),
-                "value_norms": f.get_tensor(f"layer.{layer}.value_norms").float(),
-            })
+        with naming_the_file(path, "shard", "delete it and run `python -m train collect` again"):
+            with safe_open(path, framework="pt") as f:
+                samples.append({
+                    "query_positions": f.get_tensor("query_positions"),
+                    "queries": f.get_tensor(f"layer.{layer}.queries").float(),
+                    "keys": f.get_tensor(f"layer.{layer}.keys").float(),
+                    "value_norms": f.get_tensor(f"layer.{layer}.value_norms").float(),
+                })
     return samples
 
 
@@ -135,7 +146,8 @@ def model_layout_from_shard(path: str, model_name: str) -> Dict:
     """Head layout read from a shard (so fitting never needs the model)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with naming_the_file(path, "shard", "delete it and run `python -m train collect` again"), \
+            safe_open(path, framework="pt") as f:
         names = list(f.keys())
         layers = sorted({int(n.split(".")[1]) for n in names if n.startswith("layer.")})
         queries = f.get_slice("layer.0.queries").get_shape()
@@ -220,14 +232,12 @@ def fit(config: TrainConfig, context: DistributedContext, resume: bool = False,
     checkpoint): a time-boxed run, continued later with ``resume=True``. Returns the adapters
     directory when it was written, else None.
     """
-    train_paths = shard_paths(config, "train")
-    if not train_paths:
-        raise ValueError("train_sequences must be >= 1 to fit")
+    if config.train_sequences == 0:
+        raise ValueError("TrainConfig.train_sequences must be >= 1 to fit")
+    train_paths = require_shards(config, "train")
     layout = model_layout_from_shard(train_paths[0], _model_name(config))
-    layers = list(config.layers) if config.layers is not None else list(range(layout["num_layers"]))
-    for layer in layers:
-        if not 0 <= layer < layout["num_layers"]:
-            raise ValueError(f"layers: {layer} is not a layer of the model (0..{layout['num_layers'] - 1})")
+    layers = config.selected_layers(layout["num_layers"])
+    check_fit_settings(config, layout["num_layers"], context)
     mine = [l for l in context.my_share(layers) if not os.path.exists(final_layer_path(config, l))]
     budget = [stop_after_steps] if stop_after_steps > 0 else None
     total = len(mine) * config.epochs * len(train_paths)
@@ -247,6 +257,36 @@ def fit(config: TrainConfig, context: DistributedContext, resume: bool = False,
         assemble(config, layout, layers)
     context.barrier()
     return config.adapters_dir
+
+
+def fit_settings_path(config: TrainConfig) -> str:
+    return os.path.join(config.work_dir, "fit_settings.json")
+
+
+def check_fit_settings(config: TrainConfig, num_layers: int, context: DistributedContext) -> None:
+    """Refuse to continue (``--resume``) or reuse the training state of ``config.work_dir`` (layer
+    checkpoints, finished layers) with other :data:`FIT_FIELDS` than it was fitted with: the run would
+    go on with the checkpoint's optimizer and step count while the adapters recorded the new values.
+    The settings are recorded in ``fit_settings.json`` when no training state exists yet."""
+    path = fit_settings_path(config)
+    current = {name: getattr(config, name) for name in FIT_FIELDS}
+    state = [p for layer in range(num_layers) for p in (checkpoint_path(config, layer), final_layer_path(config, layer))
+             if os.path.exists(p)]
+    if state and os.path.exists(path):
+        with open(path) as f:
+            differences = setting_differences(json.load(f), current, "checkpoint", "now")
+        if differences:
+            raise ValueError(
+                f"the training state in {config.work_dir} was fitted with other settings: " + "; ".join(differences)
+                + ". These cannot change on --resume (only " + ", ".join(RESUMABLE_FIELDS) + " can): pass the "
+                "checkpoint's values, or fit into another --work-dir (copy its shards/ to reuse them)")
+    elif state:
+        log.warning("fit: %s holds training state but no %s; its settings are taken to be the current ones",
+                    config.work_dir, os.path.basename(path))
+    context.barrier()  # every rank has compared before rank 0 writes
+    if context.is_main and (not state or not os.path.exists(path)):
+        atomic_write(path, lambda p: open(p, "w").write(json.dumps(current, indent=2) + "\n"))
+    context.barrier()
 
 
 def _model_name(config: TrainConfig) -> str:
@@ -270,7 +310,9 @@ def assemble(config: TrainConfig, layout: Dict, layers: List[int]) -> None:
 
     adapters = HashAdapters(adapter_config(config, layout))
     for layer in layers:
-        adapters[layer].load_state_dict(load_file(final_layer_path(config, layer)))
+        with naming_the_file(final_layer_path(config, layer), "fitted layer", "delete it and fit it again with --resume"):
+            weights = load_file(final_layer_path(config, layer))
+        adapters[layer].load_state_dict(weights)
     adapters.config.training = {
         "command": RUN_COMMAND,
         "recipe": config.to_dict(),

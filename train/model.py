@@ -1,6 +1,8 @@
-"""Load the frozen model and tokenizer a run collects from."""
+"""Load the frozen model and tokenizer a run collects from, or only its config (to check settings first)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,3 +36,34 @@ def load_model_and_tokenizer(config: TrainConfig):
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model, tokenizer
+
+
+def load_model_config(config: TrainConfig):
+    """The transformers config of ``config.model``, read without its weights (seconds, not the model's load).
+
+    Raises a ValueError when ``config.model`` is neither ``"smollm2"`` nor a model directory.
+    """
+    from transformers import AutoConfig
+
+    if config.model == "smollm2":
+        from hashattention.offline_model import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if not os.path.isfile(os.path.join(config.model, "config.json")):
+        raise ValueError(f"TrainConfig.model must be 'smollm2' or a Hugging Face model directory (with a config.json), "
+                         f"got {config.model!r}")
+    return AutoConfig.from_pretrained(config.model)
+
+
+def check_model_settings(config: TrainConfig, model_config) -> None:
+    """The settings that depend on the model, checked against its config: ``layers`` exist, and the
+    positions a sequence runs at (up to ``max_position_offset + sequence_tokens - 1``) are within
+    the model's ``max_position_embeddings``."""
+    config.selected_layers(model_config.num_hidden_layers)
+    limit = getattr(model_config, "max_position_embeddings", None)
+    reach = config.sequence_tokens + config.max_position_offset
+    if limit is not None and reach > limit:
+        raise ValueError(
+            f"TrainConfig.sequence_tokens ({config.sequence_tokens}) + max_position_offset ({config.max_position_offset}) "
+            f"= {reach} positions exceed the model's max_position_embeddings ({limit})")

@@ -27,7 +27,7 @@ from hashattention import ops
 from hashattention.adapters import HashAdapters, LayerAdapter
 
 from .checkpoint import atomic_write
-from .collect import shard_paths
+from .collect import require_shards
 from .config import TrainConfig
 from .distributed import DistributedContext
 from .fit import load_layer_samples
@@ -156,12 +156,12 @@ def layer_recall(config: TrainConfig, layer_adapter: LayerAdapter, samples: List
 def validate(config: TrainConfig, context: DistributedContext, adapters_dir: Optional[str] = None) -> Optional[Dict]:
     """Validate this rank's layers; rank 0 writes ``<work_dir>/validation/{recall.json,table.md,*.png}``,
     records the summary in the adapters' ``config.validation`` and returns the report."""
+    if config.validation_sequences == 0:
+        raise ValueError("TrainConfig.validation_sequences must be >= 1 to validate")
+    paths = require_shards(config, "validation")
     adapters_dir = adapters_dir or config.adapters_dir
     adapters = HashAdapters.from_pretrained(adapters_dir, dtype=torch.float32)
-    layers = list(config.layers) if config.layers is not None else list(range(adapters.config.num_layers))
-    paths = shard_paths(config, "validation")
-    if not paths:
-        raise ValueError("validation_sequences must be >= 1 to validate")
+    layers = config.selected_layers(adapters.config.num_layers)
     results = {}
     for layer in context.my_share(layers):
         samples = load_layer_samples(paths, layer)

@@ -89,6 +89,6 @@ def test_manifest_records_the_offset_and_old_manifests_still_match(two_collectio
     old.pop("max_position_offset")
     with open(manifest, "w") as f:
         json.dump(old, f)
-    from train.collect import _check_manifest
+    from train.collect import check_manifest
 
-    _check_manifest(config_with(work_dir=plain, **old))  # raises ValueError on a mismatch
+    check_manifest(config_with(work_dir=plain, **old))  # raises ValueError on a mismatch
