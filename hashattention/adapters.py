@@ -8,8 +8,9 @@ and at inference (packed int32 signatures through ``torch.ops.hashattention.enco
 or ``encode_signatures_pair`` for a decode step's queries and new keys together).
 
 Files: ``save_pretrained(dir)`` writes ``adapters.safetensors`` (tensors only, no pickle) and
-``adapter_config.json`` (architecture, the model it was trained for, training recipe and
-validation recall); ``from_pretrained(dir)`` reads them back. Adapters shipped inside the package
+``adapter_config.json`` (architecture, the model it was trained for, training recipe, validation
+recall and the weights file's SHA-256); ``from_pretrained(dir)`` reads them back and verifies the
+checksum. Adapters shipped inside the package
 (``hashattention/pretrained/<name>/``) load by name: ``HashAdapters.from_pretrained("smollm2-135m-instruct")``
 (:func:`pretrained_names`, :func:`pretrained_path`). :func:`convert_authors_checkpoint` reads the
 authors' released ``.pt`` patches.
@@ -18,11 +19,14 @@ authors' released ``.pt`` patches.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import tempfile
+from collections.abc import Iterable
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,10 +34,13 @@ from torch import Tensor, nn
 
 from . import ops
 from .activations import ACTIVATION_FUNCTIONS, ACTIVATIONS
+from .config import checked_int
 
 WEIGHTS_NAME = "adapters.safetensors"
 CONFIG_NAME = "adapter_config.json"
 FORMAT_VERSION = 1
+#: Key of ``adapter_config.json`` holding the SHA-256 (hex) of ``adapters.safetensors``.
+CHECKSUM_KEY = "weights_sha256"
 #: Where the package keeps its shipped adapters, one directory per name.
 PRETRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
 
@@ -83,11 +90,13 @@ class AdapterConfig:
     validation: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        self.hidden_features = tuple(int(h) for h in self.hidden_features)
         for name in ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "bits"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"AdapterConfig.{name} must be a positive int, got {value!r}")
+            setattr(self, name, checked_int(f"AdapterConfig.{name}", getattr(self, name), minimum=1))
+        if isinstance(self.hidden_features, (str, bytes)) or not isinstance(self.hidden_features, Iterable):
+            raise ValueError(f"AdapterConfig.hidden_features must be a sequence of widths, got {self.hidden_features!r}")
+        self.hidden_features = tuple(
+            checked_int("AdapterConfig.hidden_features entries", width, minimum=1) for width in self.hidden_features
+        )
         if self.num_query_heads % self.num_kv_heads:
             raise ValueError(
                 f"AdapterConfig.num_kv_heads ({self.num_kv_heads}) must divide num_query_heads ({self.num_query_heads})"
@@ -96,9 +105,7 @@ class AdapterConfig:
             raise ValueError(f"AdapterConfig.key_heads must be 'query' or 'kv', got {self.key_heads!r}")
         if self.bits % 32:
             raise ValueError(f"AdapterConfig.bits must be a multiple of 32, got {self.bits}")
-        if any(h < 1 for h in self.hidden_features):
-            raise ValueError(f"AdapterConfig.hidden_features must be positive, got {self.hidden_features}")
-        if self.activation not in ACTIVATIONS:
+        if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise ValueError(f"AdapterConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
     @property
@@ -146,7 +153,14 @@ class HeadwiseMLP(nn.Module):
 
     def signatures(self, x: Tensor) -> Tensor:
         """Packed int32 signatures ``(B, heads, N, out // 32)`` through the encode op."""
-        return ops.encode_signatures(x, list(self.weights), list(self.biases), self.activation)
+        weights, biases = self.op_parameters()
+        return ops.encode_signatures(x, weights, biases, self.activation)
+
+    def op_parameters(self) -> Tuple[List[Tensor], List[Tensor]]:
+        """``(weights, biases)`` as the encode ops take them. The ops read float32, float16 and
+        bfloat16 weights; float64 ones (e.g. after ``adapters.double()``) are passed as float32,
+        the precision the ops compute in."""
+        return _op_dtype(self.weights), _op_dtype(self.biases)
 
 
 class LayerAdapter(nn.Module):
@@ -191,8 +205,7 @@ class LayerAdapter(nn.Module):
     def _stacks(self):
         """``((query weights, biases), (key weights, biases))`` as the pair ops take them (both
         stacks were built with ``config.activation``)."""
-        return ((list(self.query.weights), list(self.query.biases)),
-                (list(self.key.weights), list(self.key.biases)))
+        return self.query.op_parameters(), self.key.op_parameters()
 
     def decode_signatures_into(self, query: Tensor, key: Tensor, key_signatures: Tensor, positions: Tensor) -> Tensor:
         """:meth:`decode_signatures` with the keys' signatures stored into a signature cache.
@@ -261,15 +274,21 @@ class HashAdapters(nn.Module):
         return cls(config)
 
     def save_pretrained(self, directory: str) -> None:
-        """Write ``adapters.safetensors`` and ``adapter_config.json`` into ``directory`` (atomically)."""
-        from safetensors.torch import save_file
+        """Write ``adapters.safetensors`` and ``adapter_config.json`` into ``directory`` (atomically).
+
+        The JSON records the weights file's SHA-256 (``weights_sha256``), which
+        :meth:`from_pretrained` verifies. Weights are stored in their current dtype.
+        """
+        from safetensors.torch import save
 
         os.makedirs(directory, exist_ok=True)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
-        metadata = {"format_version": str(FORMAT_VERSION)}
-        _atomic_write(os.path.join(directory, WEIGHTS_NAME), lambda path: save_file(tensors, path, metadata))
-        text = json.dumps({"format_version": FORMAT_VERSION, **self.config.to_dict()}, indent=2, sort_keys=True)
-        _atomic_write(os.path.join(directory, CONFIG_NAME), lambda path: _write_text(path, text + "\n"))
+        payload = save(tensors, {"format_version": str(FORMAT_VERSION)})
+        _atomic_write(os.path.join(directory, WEIGHTS_NAME), lambda path: _write_bytes(path, payload))
+        record = {"format_version": FORMAT_VERSION, CHECKSUM_KEY: hashlib.sha256(payload).hexdigest(),
+                  **self.config.to_dict()}
+        text = json.dumps(record, indent=2, sort_keys=True)
+        _atomic_write(os.path.join(directory, CONFIG_NAME), lambda path: _write_bytes(path, (text + "\n").encode()))
 
     @classmethod
     def from_pretrained(cls, directory: str, device=None, dtype: Optional[torch.dtype] = None) -> "HashAdapters":
@@ -279,8 +298,15 @@ class HashAdapters(nn.Module):
         Args:
             directory: a directory path or a shipped name, e.g. ``"smollm2-135m-instruct"``.
             device, dtype: where and in which dtype to put the weights (default: CPU, as stored).
+
+        Raises:
+            FileNotFoundError: a file is missing.
+            ValueError: naming the file, when the JSON or the safetensors file cannot be read, when the
+                weights' SHA-256 differs from the recorded ``weights_sha256`` (a corrupted or replaced
+                file; files written before the checksum existed have none and load unchecked), or when
+                the weights do not fit the recorded architecture.
         """
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         if not os.path.isdir(directory) and directory in pretrained_names():
             directory = pretrained_path(directory)
@@ -290,18 +316,56 @@ class HashAdapters(nn.Module):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} not found: not an adapter directory written by save_pretrained "
                                         f"nor the name of shipped adapters ({', '.join(pretrained_names())})")
-        with open(config_path) as f:
-            raw = json.load(f)
-        version = raw.pop("format_version", None)
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{config_path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+        raw = read_adapter_record(config_path)
+        with open(weights_path, "rb") as f:
+            payload = f.read()
+        expected = raw.pop(CHECKSUM_KEY, None)
+        if expected is not None:
+            actual = hashlib.sha256(payload).hexdigest()
+            if actual != expected:
+                raise ValueError(
+                    f"{weights_path} is corrupted or was replaced: its SHA-256 is {actual}, {config_path} records "
+                    f"{CHECKSUM_KEY} = {expected}"
+                )
         known = {f.name for f in dataclasses.fields(AdapterConfig)}
-        adapters = cls(AdapterConfig(**{k: v for k, v in raw.items() if k in known}))
-        state = load_file(weights_path)
-        missing, unexpected = adapters.load_state_dict(state, strict=False)
+        try:
+            adapters = cls(AdapterConfig(**{k: v for k, v in raw.items() if k in known}))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{config_path}: {error}") from error
+        try:
+            state = load(payload)
+        except Exception as error:  # safetensors raises its own SafetensorError (and OverflowError, ...)
+            raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from error
+        try:
+            missing, unexpected = adapters.load_state_dict(state, strict=False)
+        except RuntimeError as error:  # shape mismatches
+            raise ValueError(f"{weights_path} does not match {config_path}: {error}") from error
         if missing or unexpected:
             raise ValueError(f"{weights_path} does not match {config_path}: missing {missing}, unexpected {unexpected}")
         return adapters.to(device=device, dtype=dtype)
+
+
+def read_adapter_record(config_path: str) -> Dict[str, Any]:
+    """The JSON object of an ``adapter_config.json``, its ``format_version`` checked and removed;
+    a ValueError naming the file when it is not valid JSON or of another format version."""
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
+    version = raw.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{config_path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+    return raw
+
+
+def weights_checksum(directory: str) -> str:
+    """SHA-256 (hex) of ``directory``'s ``adapters.safetensors``, as :meth:`HashAdapters.save_pretrained`
+    records it in ``adapter_config.json`` under ``weights_sha256``."""
+    with open(os.path.join(directory, WEIGHTS_NAME), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 _AUTHORS_KEY = re.compile(r"^(\d+)\.learning_to_hash_transformation_([qk])\.(\d+)\.(\d+)\.(weight|bias)$")
@@ -318,7 +382,14 @@ def convert_authors_checkpoint(path_or_state: Any, num_kv_heads: int, model: str
     """
     state = path_or_state
     if not isinstance(state, dict):
-        state = torch.load(path_or_state, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path_or_state, map_location="cpu", weights_only=True)
+        except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
+            if isinstance(error, FileNotFoundError):
+                raise
+            raise ValueError(f"{path_or_state}: not a readable torch checkpoint: {error}") from error
+        if not isinstance(state, dict):
+            raise ValueError(f"{path_or_state} must hold a state dict, got {type(state).__name__}")
     entries: Dict[tuple, Tensor] = {}
     for name, tensor in state.items():
         match = _AUTHORS_KEY.match(name)
@@ -359,9 +430,13 @@ def convert_authors_checkpoint(path_or_state: Any, num_kv_heads: int, model: str
     return adapters
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def _op_dtype(parameters) -> List[Tensor]:
+    return [p.float() if p.dtype == torch.float64 else p for p in parameters]
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _atomic_write(path: str, write) -> None:

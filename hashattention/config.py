@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from collections.abc import Iterable
 from typing import Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
 
 SELECTION_MODES = ("query_head", "kv_group")
+
+#: Upper bound of every token count and index of the config: the ops compute positions, window
+#: sizes and budgets in int32 (``sink + local + heavy`` included), so each must fit one.
+MAX_TOKENS = 2**31 - 1
 
 KeyCount = TypeVar("KeyCount", int, Tensor)
 
@@ -63,15 +69,23 @@ def heavy_tokens(valid_keys: KeyCount, sparsity: Optional[float], budget_tokens:
 class HashAttentionConfig:
     """Inference settings of HashAttention (immutable, validated on construction; errors are ``ValueError``).
 
-    Change a field with ``dataclasses.replace(config, sparsity=32)`` (validated again) and patch again.
+    Change a field with ``dataclasses.replace(config, sparsity=32)`` (validated again), unpatch and
+    patch again.
+
+    Every query row attends to at least one token: ``budget_tokens`` is at least 1, and with
+    ``sparsity`` the windows are (``sink_tokens + local_tokens >= 1``), since a sequence of fewer than
+    ``sparsity`` keys gets no signature-selected token. Token counts, layer indices and ``bits`` are
+    ints (numpy ints accepted; bools and floats are not) up to :data:`MAX_TOKENS`, which the ops'
+    int32 index arithmetic bounds.
 
     Attributes:
         sink_tokens: first tokens of each sequence always attended (paper: 128).
         local_tokens: latest tokens always attended, the current one included (paper: 128).
-        budget_tokens: total attended tokens per query row, windows included; must be at
-            least ``sink_tokens + local_tokens``. Mutually exclusive with ``sparsity``.
+        budget_tokens: total attended tokens per query row, windows included; at least
+            ``max(1, sink_tokens + local_tokens)``. Mutually exclusive with ``sparsity``.
         sparsity: attend ``floor(n / sparsity)`` tokens in total, windows included (see the
-            module docstring); ``> 1``. If neither budget is given, ``sparsity = 16``.
+            module docstring); a finite number ``> 1``, and then ``sink_tokens + local_tokens >= 1``.
+            If neither budget is given, ``sparsity = 16``.
         selection: ``"query_head"`` (each query head selects its own tokens, as the paper)
             or ``"kv_group"`` (the query heads of a KV group share one selection: their
             Hamming scores are summed, and each selected K/V row serves the whole group).
@@ -96,40 +110,51 @@ class HashAttentionConfig:
 
     def __post_init__(self):
         for name in ("sink_tokens", "local_tokens", "sparse_prompt_tokens", "dense_below_tokens"):
-            _require_int(name, getattr(self, name), minimum=0)
+            self._normalise(name, _checked_int(name, getattr(self, name), minimum=0))
+        windows = self.sink_tokens + self.local_tokens
+        if windows > MAX_TOKENS:
+            raise ValueError(
+                f"HashAttentionConfig.sink_tokens + local_tokens must be <= {MAX_TOKENS} (the ops index keys with "
+                f"int32), got {self.sink_tokens} + {self.local_tokens}"
+            )
         if self.budget_tokens is not None and self.sparsity is not None:
             raise ValueError(
                 "HashAttentionConfig: give either budget_tokens or sparsity, not both "
                 f"(got budget_tokens={self.budget_tokens!r}, sparsity={self.sparsity!r})"
             )
         if self.budget_tokens is None and self.sparsity is None:
-            object.__setattr__(self, "sparsity", 16.0)  # frozen: normalise through object.__setattr__
+            self._normalise("sparsity", 16.0)
         if self.budget_tokens is not None:
-            _require_int("budget_tokens", self.budget_tokens, minimum=0)
-            windows = self.sink_tokens + self.local_tokens
+            self._normalise("budget_tokens", _checked_int("budget_tokens", self.budget_tokens, minimum=1))
             if self.budget_tokens < windows:
                 raise ValueError(
                     f"HashAttentionConfig.budget_tokens ({self.budget_tokens}) counts the windows too and must be "
                     f">= sink_tokens + local_tokens ({windows})"
                 )
         else:
-            if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
-                raise ValueError(f"HashAttentionConfig.sparsity must be a number > 1, got {self.sparsity!r}")
-            if not math.isfinite(self.sparsity) or self.sparsity <= 1:
-                raise ValueError(f"HashAttentionConfig.sparsity must be a finite number > 1, got {self.sparsity!r}")
-            object.__setattr__(self, "sparsity", float(self.sparsity))
-        if self.selection not in SELECTION_MODES:
+            self._normalise("sparsity", _checked_sparsity(self.sparsity))
+            if windows == 0:
+                raise ValueError(
+                    "HashAttentionConfig.sink_tokens + local_tokens must be >= 1 with sparsity: a sequence of "
+                    f"n < sparsity ({self.sparsity:g}) keys gets floor(n / sparsity) = 0 tokens, and only the "
+                    "windows guarantee each row one (local_tokens >= 1 keeps the current token); "
+                    "or give budget_tokens instead"
+                )
+        if not isinstance(self.selection, str) or self.selection not in SELECTION_MODES:
             raise ValueError(f"HashAttentionConfig.selection must be one of {SELECTION_MODES}, got {self.selection!r}")
-        if isinstance(self.dense_layers, (int, str)) or not hasattr(self.dense_layers, "__iter__"):
-            raise ValueError(f"HashAttentionConfig.dense_layers must be a sequence of layer indices, got {self.dense_layers!r}")
-        layers = tuple(self.dense_layers)
-        for layer in layers:
-            _require_int("dense_layers entries", layer, minimum=0)
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
+        if isinstance(self.dense_layers, (str, bytes)) or not isinstance(self.dense_layers, Iterable):
+            raise ValueError(
+                f"HashAttentionConfig.dense_layers must be a sequence of layer indices, got {self.dense_layers!r}"
+            )
+        layers = {_checked_int("dense_layers entries", layer, minimum=0) for layer in self.dense_layers}
+        self._normalise("dense_layers", tuple(sorted(layers)))
         if self.bits is not None:
-            _require_int("bits", self.bits, minimum=32)
+            self._normalise("bits", _checked_int("bits", self.bits, minimum=32))
             if self.bits % 32:
                 raise ValueError(f"HashAttentionConfig.bits must be a multiple of 32, got {self.bits}")
+
+    def _normalise(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # frozen dataclass: fields are set once, here
 
     @property
     def window_tokens(self) -> int:
@@ -167,9 +192,28 @@ class HashAttentionConfig:
         )
 
 
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"HashAttentionConfig.{name} must be an int >= {minimum}, got {value!r}")
+def checked_int(label: str, value, minimum: int, maximum: int = MAX_TOKENS) -> int:
+    """``value`` as a plain ``int`` if it is an integer (Python or numpy; not a bool, not a float)
+    in ``[minimum, maximum]``; otherwise a ValueError naming ``label`` (e.g. ``"HashAttentionConfig.bits"``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{label} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{label} must be an int in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+def _checked_int(name: str, value, minimum: int) -> int:
+    return checked_int(f"HashAttentionConfig.{name}", value, minimum)
+
+
+def _checked_sparsity(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"HashAttentionConfig.sparsity must be a number > 1, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value <= 1:
+        raise ValueError(f"HashAttentionConfig.sparsity must be a finite number > 1, got {value!r}")
+    return value
 
 
 def validate_for_model(config: HashAttentionConfig, num_layers: int) -> Tuple[int, ...]:

@@ -4,6 +4,9 @@
     model.generate(...)            # greedy, sampling, batches with left padding, StaticCache
     hashattention.unpatch(model)   # or: with hashattention.patch(...): ...
 
+A model carries at most one patch: patching a patched model raises ``ValueError`` (unpatch first),
+so after ``unpatch`` or the end of a ``with`` block the model is always exactly as before.
+
 ``patch`` registers the ``"hashattention"`` attention and mask functions with transformers,
 switches the model to them (``set_attn_implementation``) and adds one forward pre-hook per
 attention module. The hook converts the module's layer of whatever cache it is given into
@@ -25,8 +28,13 @@ from .adapters import HashAdapters
 from .attention import ATTENTION_NAME, LayerRuntime, register
 from .cache import SIGNATURE_LAYERS, ensure_signature_layer
 from .config import HashAttentionConfig, validate_for_model
+from .ops import SUPPORTED_HEAD_DIMS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+#: Model dtypes the attention and encoder kernels take.
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Adapter parameter dtypes: the kernels' and float64 (passed to the encoder as float32).
+ADAPTER_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 _STATE_ATTRIBUTE = "_hashattention_patch"
 
 
@@ -44,7 +52,7 @@ class PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:
-        if getattr(self.model, _STATE_ATTRIBUTE, None) is self:
+        if getattr(self.model, _STATE_ATTRIBUTE, None) is self:  # not already undone by unpatch(model)
             unpatch(self.model)
 
 
@@ -58,6 +66,7 @@ def decoder_layers(model):
 
 
 def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> None:
+    """Every check of :func:`patch`, before it changes anything: a ValueError naming what differs."""
     model_config = model.config.get_text_config(decoder=True)
     model_type = getattr(model_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -69,11 +78,22 @@ def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> 
             "supported; if your contexts stay within the window, set model.config.sliding_window = None first"
         )
     heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"hashattention.patch: the model's head_dim is {head_dim}; the sparse attention kernels support "
+            f"{SUPPORTED_HEAD_DIMS}"
+        )
+    if model.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"hashattention.patch: the model's dtype is {model.dtype}; the kernels support "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)} (convert it, e.g. model.float())"
+        )
     expected = {
         "num_layers": model_config.num_hidden_layers,
         "num_query_heads": heads,
         "num_kv_heads": getattr(model_config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(model_config, "head_dim", None) or model_config.hidden_size // heads,
+        "head_dim": head_dim,
     }
     for name, value in expected.items():
         if getattr(adapters.config, name) != value:
@@ -81,9 +101,46 @@ def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> 
                 f"adapters do not fit this model: adapters.config.{name} = {getattr(adapters.config, name)}, "
                 f"the model has {value}"
             )
+    _check_adapter_tensors(adapters)
     if config.bits is not None and config.bits != adapters.config.bits:
         raise ValueError(f"HashAttentionConfig.bits = {config.bits} but the adapters produce {adapters.config.bits} bits")
     validate_for_model(config, model_config.num_hidden_layers)
+    layers = decoder_layers(model)
+    if len(layers) != model_config.num_hidden_layers:
+        raise ValueError(
+            f"{type(model).__name__} has {len(layers)} decoder layers but its config says num_hidden_layers = "
+            f"{model_config.num_hidden_layers}"
+        )
+    for index, layer in enumerate(layers):
+        if getattr(getattr(layer, "self_attn", None), "layer_idx", None) != index:
+            raise ValueError(f"decoder layer {index} has no self_attn module with layer_idx = {index}")
+
+
+def _check_adapter_tensors(adapters: HashAdapters) -> None:
+    """The adapters' weights have the shapes and dtypes their config promises (a config edited after
+    construction, or weights swapped in by hand, would otherwise fail at the first forward)."""
+    config = adapters.config
+    if len(adapters.layers) != config.num_layers:
+        raise ValueError(f"adapters hold {len(adapters.layers)} layers, adapters.config.num_layers = {config.num_layers}")
+    sizes = [config.head_dim, *config.hidden_features, config.bits]
+    for index, layer in enumerate(adapters.layers):
+        for side, stack, heads in (("query", layer.query, config.num_query_heads),
+                                   ("key", layer.key, config.num_key_signature_heads)):
+            shapes = [tuple(w.shape) for w in stack.weights]
+            want = [(heads, fan_in, fan_out) for fan_in, fan_out in zip(sizes[:-1], sizes[1:])]
+            if shapes != want:
+                key_heads = f", key_heads = {config.key_heads!r}" if side == "key" else ""
+                raise ValueError(
+                    f"adapters layer {index} {side} weights have shapes {shapes}; adapters.config "
+                    f"(heads {heads}{key_heads}, head_dim {config.head_dim}, hidden_features "
+                    f"{list(config.hidden_features)}, bits {config.bits}) gives {want}"
+                )
+            for tensor in [*stack.weights, *stack.biases]:
+                if tensor.dtype not in ADAPTER_DTYPES:
+                    raise ValueError(
+                        f"adapters layer {index} {side} parameters are {tensor.dtype}; supported: "
+                        f"{', '.join(str(d) for d in ADAPTER_DTYPES)}"
+                    )
 
 
 def _inject_layer_state(runtime: LayerRuntime, module, args, kwargs):
@@ -105,24 +162,36 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
     """Enable HashAttention on ``model`` (a transformers Llama / Mistral causal LM or base model).
 
     Args:
-        model: the model; it keeps working with ``forward`` and ``generate``.
+        model: the model (float32, float16 or bfloat16; head dim 64, 128 or 256); it keeps working
+            with ``forward`` and ``generate``.
         adapters: :class:`~hashattention.adapters.HashAdapters` shaped for this model; moved to
             the model's device (their dtype is kept: float32 adapters stay float32).
         config: :class:`HashAttentionConfig`; default ``HashAttentionConfig()`` (16x sparsity).
 
     Returns:
-        A :class:`PatchHandle`, usable as a context manager. Patching a patched model
-        replaces the previous patch. A cache filled before patching is continued (its keys are
-        encoded once, on first use); one filled under other adapters raises ``ValueError``.
+        A :class:`PatchHandle`, usable as a context manager. A cache filled before patching is
+        continued (its keys are encoded once, on first use); one filled under other adapters
+        raises ``ValueError``.
+
+    Raises:
+        ValueError: before anything is changed, naming what does not fit: the model type, its
+            head dim or dtype, the adapters' layout against the model's, ``config.bits`` or
+            ``config.dense_layers``; or when the model is already patched. Patches do not stack:
+            to change the adapters or the config, ``unpatch`` (or leave the ``with`` block) first,
+            so that ``unpatch`` and every ``with`` exit return the model to exactly its state before.
     """
     config = HashAttentionConfig() if config is None else config
     if not isinstance(adapters, HashAdapters):
         raise ValueError(f"adapters must be a HashAdapters, got {type(adapters).__name__}")
     if not isinstance(config, HashAttentionConfig):
         raise ValueError(f"config must be a HashAttentionConfig, got {type(config).__name__}")
+    if is_patched(model):
+        raise ValueError(
+            f"this {type(model).__name__} is already patched with HashAttention; unpatch first "
+            "(hashattention.unpatch(model), or leave the `with hashattention.patch(...)` block), then patch "
+            "with the new adapters or config"
+        )
     _check_model(model, adapters, config)
-    if getattr(model, _STATE_ATTRIBUTE, None) is not None:
-        unpatch(model)
 
     register()
     adapters.to(device=model.device)
@@ -130,6 +199,7 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
     heads = model_config.num_attention_heads
     selection_heads = heads if config.selection == "query_head" else adapters.config.num_kv_heads
     previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
     hooks = []
     layers = decoder_layers(model)
     sparse_layers = [index for index in range(len(layers)) if index not in config.dense_layers]
@@ -145,7 +215,6 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
         )
         hook = functools.partial(_inject_layer_state, runtime)
         hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
-    model.set_attn_implementation(ATTENTION_NAME)
     handle = PatchHandle(model, adapters, config, previous, hooks)
     setattr(model, _STATE_ATTRIBUTE, handle)
     return handle

@@ -1,5 +1,6 @@
 """Adapters: save/load round trip (safetensors + JSON, no pickle) and the authors' checkpoint converter."""
 
+import hashlib
 import json
 import os
 
@@ -9,11 +10,14 @@ from torch import nn
 
 from hashattention import reference
 from hashattention.adapters import (
+    CHECKSUM_KEY,
     CONFIG_NAME,
     WEIGHTS_NAME,
     AdapterConfig,
     HashAdapters,
     convert_authors_checkpoint,
+    pretrained_path,
+    weights_checksum,
 )
 
 
@@ -137,6 +141,13 @@ def test_convert_authors_checkpoint_errors():
         (dict(key_heads="token"), "key_heads"),
         (dict(bits=40), "bits"),
         (dict(activation="softplus"), "activation"),
+        (dict(num_layers=True), "num_layers must be an int"),
+        (dict(head_dim=64.0), "head_dim must be an int"),
+        (dict(bits=2**40), "bits must be an int in"),
+        (dict(hidden_features=(16.5,)), "hidden_features entries must be an int"),
+        (dict(hidden_features=(0,)), "hidden_features entries must be an int in \\[1"),
+        (dict(hidden_features=16), "hidden_features must be a sequence"),
+        (dict(activation=["silu"]), "activation"),
     ],
 )
 def test_adapter_config_errors(overrides, message):
@@ -157,3 +168,100 @@ def test_shipped_adapters_load_by_name():
         pretrained_path("no-such-adapters")
     with pytest.raises(FileNotFoundError, match="nor the name of shipped adapters"):
         HashAdapters.from_pretrained("no-such-adapters")
+
+
+def saved_adapters(tmp_path):
+    torch.manual_seed(0)
+    adapters = HashAdapters(small_config())
+    adapters.save_pretrained(str(tmp_path))
+    return adapters
+
+
+def test_save_records_the_weights_checksum(tmp_path):
+    saved_adapters(tmp_path)
+    record = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert record[CHECKSUM_KEY] == hashlib.sha256((tmp_path / WEIGHTS_NAME).read_bytes()).hexdigest()
+    assert record[CHECKSUM_KEY] == weights_checksum(str(tmp_path))
+
+
+@pytest.mark.parametrize("where", ["payload", "last byte"])
+def test_corrupted_weights_fail_the_checksum(tmp_path, where):
+    """Zeroed payload bytes keep a valid safetensors file (zeros load fine): only the checksum sees them."""
+    saved_adapters(tmp_path)
+    path = tmp_path / WEIGHTS_NAME
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    if where == "payload":
+        data[header:header + 256] = bytes(256)
+    else:
+        data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{WEIGHTS_NAME} is corrupted or was replaced: its SHA-256 is [0-9a-f]{{64}}"):
+        HashAdapters.from_pretrained(str(tmp_path))
+
+
+def test_files_without_a_checksum_still_load(tmp_path):
+    adapters = saved_adapters(tmp_path)
+    path = tmp_path / CONFIG_NAME
+    record = json.loads(path.read_text())
+    del record[CHECKSUM_KEY]
+    path.write_text(json.dumps(record))
+    loaded = HashAdapters.from_pretrained(str(tmp_path))
+    for name, tensor in adapters.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_unreadable_files_are_named_in_the_error(tmp_path):
+    saved_adapters(tmp_path)
+    weights, config = tmp_path / WEIGHTS_NAME, tmp_path / CONFIG_NAME
+    record = json.loads(config.read_text())
+    del record[CHECKSUM_KEY]  # an older file: the safetensors reader meets the damage itself
+    config.write_text(json.dumps(record))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{weights} is not a readable safetensors file"):
+        HashAdapters.from_pretrained(str(tmp_path))
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match=f"{config} is not valid JSON"):
+        HashAdapters.from_pretrained(str(tmp_path))
+    config.write_text(json.dumps({"format_version": 1, "num_layers": 2}))
+    with pytest.raises(ValueError, match=f"{config}: .*num_query_heads"):
+        HashAdapters.from_pretrained(str(tmp_path))
+
+
+def test_weights_of_other_shapes_are_named_in_the_error(tmp_path):
+    saved_adapters(tmp_path)
+    config = tmp_path / CONFIG_NAME
+    record = json.loads(config.read_text())
+    record["hidden_features"] = [16, 4]  # the weights hold (16, 8)
+    config.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=f"(?s){tmp_path / WEIGHTS_NAME} does not match {config}: .*size mismatch"):
+        HashAdapters.from_pretrained(str(tmp_path))
+
+
+def test_corrupted_authors_checkpoint_is_named_in_the_error(tmp_path):
+    path = tmp_path / "usa_patch.pt"
+    torch.save(AuthorsLayer(2, (64, 8, 8, 32)).state_dict(), path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match=f"{path}: not a readable torch checkpoint"):
+        convert_authors_checkpoint(str(path), num_kv_heads=1)
+
+
+def test_shipped_adapters_carry_a_matching_checksum():
+    directory = pretrained_path("smollm2-135m-instruct")
+    with open(os.path.join(directory, CONFIG_NAME)) as f:
+        recorded = json.load(f)[CHECKSUM_KEY]
+    assert recorded == weights_checksum(directory)
+
+
+def test_float64_adapters_encode_like_float32(tmp_path):
+    """The ops take float32/float16/bfloat16 weights; float64 adapters are encoded through float32, so
+    they give the signatures of the same adapters in float32 (and load from disk in float64)."""
+    adapters = saved_adapters(tmp_path)
+    doubled = HashAdapters.from_pretrained(str(tmp_path), dtype=torch.float64)
+    assert doubled[0].query.weights[0].dtype == torch.float64
+    x = torch.randn(1, 4, 5, 64)
+    keys = torch.randn(1, 2, 5, 64)
+    assert torch.equal(doubled[1].query_signatures(x), adapters[1].query_signatures(x))
+    assert torch.equal(doubled[1].key_signatures(keys), adapters[1].key_signatures(keys))
+    for got, want in zip(doubled[0].decode_signatures(x, keys), adapters[0].decode_signatures(x, keys)):
+        assert torch.equal(got, want)

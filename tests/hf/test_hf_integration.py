@@ -1,6 +1,5 @@
 """The Hugging Face integration on tiny random-weight Llama / Mistral models (CPU, float32)."""
 
-import dataclasses
 import re
 
 import pytest
@@ -313,52 +312,6 @@ def test_static_decode_step_compiles_without_graph_breaks():
                 )
                 assert explanation.graph_break_count == 0, explanation.break_reasons
     torch.testing.assert_close(results[1], results[0], **LOGIT_TOLERANCE)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(budget_tokens=100, sparsity=8.0), "not both"),
-        (dict(budget_tokens=10), "sink_tokens \\+ local_tokens"),
-        (dict(sparsity=1.0), "sparsity"),
-        (dict(sink_tokens=-1), "sink_tokens"),
-        (dict(selection="per_token"), "selection"),
-        (dict(dense_layers=[-1]), "dense_layers"),
-        (dict(dense_layers=3), "dense_layers"),
-        (dict(bits=48), "bits"),
-        (dict(sparse_prompt_tokens=1.5), "sparse_prompt_tokens"),
-    ],
-)
-def test_config_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        HashAttentionConfig(**kwargs)
-
-
-def test_config_budget_arithmetic():
-    config = HashAttentionConfig()
-    assert config.sparsity == 16.0 and config.budget_tokens is None
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        config.sparsity = 2.0
-    assert config.total_tokens(4096) == 256 and config.total_tokens(32768) == 2048 and config.total_tokens(100) == 100
-    assert config.heavy_width(32768) == 2048 - 256
-    assert HashAttentionConfig(budget_tokens=512).total_tokens(10_000) == 512
-
-
-def test_patch_errors():
-    model = tiny_model("llama")
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        other = tiny_model("llama")
-        other.config.num_key_value_heads = 4
-        patch(model, tiny_adapters(other))
-    with pytest.raises(ValueError, match="dense_layers"):
-        patch(model, tiny_adapters(model), HashAttentionConfig(dense_layers=[5]))
-    with pytest.raises(ValueError, match="bits"):
-        patch(model, tiny_adapters(model), HashAttentionConfig(bits=64))
-    mistral = tiny_model("mistral")
-    mistral.config.sliding_window = 4096
-    with pytest.raises(ValueError, match="sliding_window"):
-        patch(mistral, tiny_adapters(mistral))
-    assert not is_patched(model) and not is_patched(mistral)
 
 
 def test_beam_search_reorders_signatures_with_the_cache():
