@@ -17,7 +17,7 @@ import torch
 
 from ..adapters import pretrained_names, pretrained_path
 from . import tasks, text
-from .harness import Evaluation, EvaluationConfig
+from .harness import Evaluation, EvaluationConfig, read_corpus
 from .report import markdown, write_report
 from .selectors import selector_names
 
@@ -35,6 +35,13 @@ def _floats(value: str) -> List[float]:
 
 def _names(value: str) -> List[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: torch's default), got {number}")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,27 +87,51 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{SMOLLM2_ADAPTERS!r} adapters")
     parser.add_argument("--group-adapters", default=None,
                         help="adapters for the group-shared selector (default: --adapters)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--threads", type=_non_negative_int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--report-only", action="store_true",
-                        help="compute nothing: write the tables and plots from the per-sample cache as it is")
+                        help="compute nothing: write the tables and plots from the per-sample cache as it is "
+                             "(reads the model's config, not its weights)")
     return parser
 
 
-def load_model(name: str, tokenizer_kind: str):
-    """``(model, tokenizer, display name)``."""
+def model_display_name(name: str) -> str:
+    """The model's name in the results: the offline model's, or the directory's base name."""
     if name == "smollm2":
-        from ..offline_model import MODEL_NAME, load_smollm2
+        from ..offline_model import MODEL_NAME
+
+        return MODEL_NAME
+    return os.path.basename(os.path.abspath(name))
+
+
+def load_model_config(name: str):
+    """The transformers config of ``--model``, read without the weights (seconds, not the model's load)."""
+    from transformers import AutoConfig
+
+    if name == "smollm2":
+        from ..offline_model import smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if not os.path.isdir(name):
+        raise ValueError(f"--model must be 'smollm2' or a local model directory, got {name!r}")
+    return AutoConfig.from_pretrained(name)
+
+
+def load_model(name: str, tokenizer_kind: str):
+    """``(model, tokenizer)``."""
+    if name == "smollm2":
+        from ..offline_model import load_smollm2
 
         model, tokenizer = load_smollm2()
-        return model, (text.ByteTokenizer() if tokenizer_kind == "byte" else tokenizer), MODEL_NAME
+        return model, (text.ByteTokenizer() if tokenizer_kind == "byte" else tokenizer)
     if not os.path.isdir(name):
         raise ValueError(f"--model must be 'smollm2' or a local model directory, got {name!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
     tokenizer = text.ByteTokenizer() if tokenizer_kind == "byte" else AutoTokenizer.from_pretrained(name)
-    return model, tokenizer, os.path.basename(os.path.abspath(name))
+    return model, tokenizer
 
 
 def adapter_directory(value, flag: str):
@@ -116,7 +147,12 @@ def adapter_directory(value, flag: str):
 
 
 def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
-    """The model, tokenizer and :class:`Evaluation` that the parsed command-line ``args`` describe."""
+    """The model, tokenizer and :class:`Evaluation` that the parsed command-line ``args`` describe.
+
+    Every argument is checked before the model loads (the offline model takes tens of seconds):
+    the flags themselves, then what the model's config and the corpus decide (lengths within
+    the model's positions, a held-out file). With ``--report-only`` the weights are not loaded.
+    """
     if args.corpus is None:
         raise ValueError("--corpus DIR is required: the folder of .txt files to evaluate on")
     if args.threads:
@@ -124,7 +160,6 @@ def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
     adapters = adapter_directory(args.adapters, "--adapters")
     if adapters is None and args.model == "smollm2" and SMOLLM2_ADAPTERS in pretrained_names():
         adapters = pretrained_path(SMOLLM2_ADAPTERS)
-    model, tokenizer, model_name = load_model(args.model, args.tokenizer)
     config = EvaluationConfig(
         output_dir=args.output_dir,
         selectors=args.selectors,
@@ -144,10 +179,19 @@ def evaluation_from_args(args: argparse.Namespace) -> Evaluation:
         calibration_tokens=args.calibration_tokens,
         adapters_dir=adapters,
         group_adapters_dir=adapter_directory(args.group_adapters, "--group-adapters"),
-        model_name=model_name,
+        model_name=model_display_name(args.model),
         max_new_tokens=args.max_new_tokens,
         progress=not args.no_progress,
     )
+    model_config = load_model_config(args.model)
+    config.check_model_limits(model_config)
+    if args.tokenizer == "byte" and model_config.vocab_size < text.ByteTokenizer.vocab_size:
+        raise ValueError(f"--tokenizer byte needs a vocabulary of at least {text.ByteTokenizer.vocab_size} tokens, "
+                         f"the model has {model_config.vocab_size}")
+    read_corpus(config)  # a corpus without held-out text fails here, not after the model loads
+    if args.report_only:
+        return Evaluation(None, None, config, model_config=model_config)
+    model, tokenizer = load_model(args.model, args.tokenizer)
     return Evaluation(model, tokenizer, config)
 
 

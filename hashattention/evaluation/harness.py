@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,6 +36,16 @@ from .selectors import Budget, ModelShape, Selector, SelectorSetup, SelectorUnav
 from .store import ResultStore, fingerprint, record_key
 
 log = logging.getLogger(__name__)
+
+
+def _setting(name: str) -> str:
+    """A setting as both the config field and its command-line flag, for messages."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+#: The integer settings of :class:`EvaluationConfig` and their least values.
+_COUNT_MINIMUMS = {"task_samples": 0, "nll_samples": 0, "sink_tokens": 0, "local_tokens": 0, "sparse_prompt_tokens": 0,
+                   "max_new_tokens": 0, "nll_tokens": 1, "top_k": 1, "calibration_tokens": 1, "held_out_modulus": 1}
 
 
 @dataclasses.dataclass
@@ -68,27 +79,76 @@ class EvaluationConfig:
             self.selectors = selector_names()
         unknown = [s for s in self.selectors if s not in selector_names()]
         if unknown:
-            raise ValueError(f"selectors: unknown {unknown}; registered: {selector_names()}")
+            raise ValueError(f"{_setting('selectors')}: unknown {unknown}; registered: {selector_names()}")
         unknown = [t for t in self.tasks if t not in tasks.TASKS]
         if unknown:
-            raise ValueError(f"tasks: unknown {unknown}; available: {list(tasks.TASKS)}")
-        for name in ("task_samples", "nll_samples", "sink_tokens", "local_tokens", "sparse_prompt_tokens",
-                     "max_new_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("nll_tokens", "top_k", "calibration_tokens", "held_out_modulus"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if any(c < 1 for c in self.contexts):
-            raise ValueError(f"contexts must be positive token counts, got {list(self.contexts)}")
-        if any(s < 1 for s in self.sparsities):
-            raise ValueError(f"sparsities must be >= 1, got {list(self.sparsities)}")
+            raise ValueError(f"{_setting('tasks')}: unknown {unknown}; available: {list(tasks.TASKS)}")
+        for name, least in _COUNT_MINIMUMS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{_setting(name)} must be an integer >= {least}, got {value!r}")
+        contexts, sparsities = list(self.contexts), list(self.sparsities)
+        if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts) \
+                or len(set(contexts)) != len(contexts):
+            raise ValueError(f"{_setting('contexts')} must be distinct positive token counts, got {contexts}")
+        # NaN passes every comparison and inf makes floor(n / s) = 0: both would run the whole grid on nonsense.
+        if not sparsities or len(set(sparsities)) != len(sparsities) or any(
+                isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 1 for s in sparsities):
+            raise ValueError(f"{_setting('sparsities')} must be distinct finite numbers >= 1 (s: floor(n / s) tokens "
+                             f"per row), got {sparsities}")
+        shortest = min(contexts)
+        # The last nll_tokens rows of a sequence run sparse after a dense prefix, and the budget is a share
+        # of that prefix: without one, every selector would keep its windows only.
+        if self.nll_samples and self.nll_tokens > shortest - 2:
+            raise ValueError(f"{_setting('nll_tokens')} ({self.nll_tokens}) must be at most the shortest "
+                             f"{_setting('contexts')} value minus 2 ({shortest - 2}): the sparse rows follow a dense prefix")
+        if self.task_samples and self.tasks and self.sparse_prompt_tokens > shortest - 2:
+            raise ValueError(f"{_setting('sparse_prompt_tokens')} ({self.sparse_prompt_tokens}) must be at most the "
+                             f"shortest {_setting('contexts')} value minus 2 ({shortest - 2}): the sparse rows follow a "
+                             "dense prefix")
+
+    def check_model_limits(self, model_config) -> None:
+        """Refuse lengths the model cannot run (``model_config``: its transformers config; read
+        before the weights load): every context and the calibration pass within ``max_position_embeddings``."""
+        limit = getattr(model_config, "max_position_embeddings", None)
+        if limit is None:
+            return
+        beyond = [c for c in self.contexts if c > limit]
+        if beyond:
+            raise ValueError(f"{_setting('contexts')} {beyond} exceed the model's max_position_embeddings ({limit})")
+        if self.calibration_tokens > limit:
+            raise ValueError(f"{_setting('calibration_tokens')} ({self.calibration_tokens}) exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+
+    def window_only_budgets(self) -> List[str]:
+        """Notes on the (context, sparsity) cells whose NLL budget ``floor(n / s)`` does not exceed the
+        windows: there every selector keeps the sink and local windows only, and they all tie."""
+        notes = []
+        if not self.nll_samples:
+            return notes
+        for context in self.contexts:
+            dense_prefix = context - 1 - self.nll_tokens
+            for sparsity in self.sparsities:
+                budget = Budget.for_sparsity(max(dense_prefix, 1), sparsity, self.sink_tokens, self.local_tokens)
+                if budget.heavy_tokens == 0:
+                    notes.append(f"NLL at {context} tokens, sparsity {sparsity:g}: the budget floor({dense_prefix} / "
+                                 f"{sparsity:g}) does not exceed the windows ({self.sink_tokens} + {self.local_tokens}): "
+                                 "every selector keeps the windows only")
+        return notes
 
     def result_settings(self) -> Dict[str, Any]:
         """The settings that change per-sample results (with each selector's identity: the store's fingerprint)."""
         keys = ("nll_tokens", "sparse_prompt_tokens", "sink_tokens", "local_tokens", "top_k", "seed", "corpus",
                 "held_out_modulus", "calibration_tokens", "model_name", "max_new_tokens")
         return {k: getattr(self, k) for k in keys}
+
+
+def read_corpus(config: EvaluationConfig) -> Tuple[List[str], List[str]]:
+    """``(held-out texts, other texts)`` of ``config.corpus``; a ValueError when it holds no held-out file."""
+    held_out = text.read_split(config.corpus, held_out=True, modulus=config.held_out_modulus)
+    if not held_out:
+        raise ValueError(f"corpus {config.corpus!r} has no held-out file (crc32(path) % {config.held_out_modulus} == 0)")
+    return held_out, text.read_split(config.corpus, held_out=False, modulus=config.held_out_modulus)
 
 
 class _DenseObservers(Selector):
@@ -125,20 +185,25 @@ def _forward(model, input_ids: List[int], cache, logits_to_keep: int = 1):
 
 
 class Evaluation:
-    """One evaluation of ``model`` (a transformers causal LM) with ``tokenizer``."""
+    """One evaluation of ``model`` (a transformers causal LM) with ``tokenizer``.
 
-    def __init__(self, model, tokenizer, config: EvaluationConfig):
+    ``model=None`` with ``model_config`` (its transformers config) builds an evaluation that can
+    only report what the per-sample cache holds (``run(compute=False)``): no weights are loaded.
+    """
+
+    def __init__(self, model, tokenizer, config: EvaluationConfig, model_config=None):
+        if model is None and model_config is None:
+            raise ValueError("Evaluation needs the model, or its config to report from the cache only")
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.shape = ModelShape.from_config(model.config)
+        model_config = model.config if model is not None else model_config
+        config.check_model_limits(model_config)
+        self.shape = ModelShape.from_config(model_config)
         self.store = ResultStore(f"{config.output_dir}/samples.jsonl")
         self.fingerprints: Dict[str, str] = {}
-        self.notes: List[str] = []
+        self.notes: List[str] = config.window_only_budgets()
         self.selectors: Dict[str, Selector] = {}
         self.unavailable: Dict[str, str] = {}
-        held_out = text.read_split(config.corpus, held_out=True, modulus=config.held_out_modulus)
-        rest = text.read_split(config.corpus, held_out=False, modulus=config.held_out_modulus)
-        if not held_out:
-            raise ValueError(f"corpus {config.corpus!r} has no held-out file (crc32(path) % {config.held_out_modulus} == 0)")
+        held_out, rest = read_corpus(config)
         if not rest:
             self.notes.append("the corpus has no non-held-out file: calibration text is the held-out text")
             rest = held_out
@@ -167,10 +232,12 @@ class Evaluation:
         return capture.captured
 
     def prepare_selectors(self) -> None:
-        calibration = self._calibration()
+        """Prepare every selector of the config (the unavailable ones are noted and skipped); without a
+        model, only as far as their identities need (to find their results in the cache)."""
         setup = SelectorSetup(
             shape=self.shape,
-            calibration=calibration,
+            calibration=self._calibration() if self.model is not None else None,
+            identity_only=self.model is None,
             adapters_dir=self.config.adapters_dir,
             group_adapters_dir=self.config.group_adapters_dir,
             seed=self.config.seed,
@@ -190,6 +257,16 @@ class Evaluation:
     def key(self, kind: str, context: int, index: int, name: str, sparsity: Optional[float], task: str = "") -> str:
         """The store key of one per-sample result."""
         return record_key(self.fingerprints[name], kind, context, index, name, sparsity, task)
+
+    def check_task_prompts(self) -> None:
+        """Build the first sample of every task at the shortest context, so that a context too short
+        for a task's bare prompt fails before any computation rather than in the middle of the grid."""
+        shortest = min(self.config.contexts)
+        for task in self.config.tasks:
+            try:
+                tasks.build_sample(task, 0, shortest, self.config.seed, self.tokenizer, self.sentences, self.words)
+            except ValueError as error:
+                raise ValueError(f"{_setting('contexts')} {shortest} does not fit task {task}: {error}") from error
 
     # ------------------------------------------------------------------ jobs
     def _jobs(self):
@@ -233,8 +310,7 @@ class Evaluation:
         if not jobs:
             return
         ids = self._nll_sequence(context, index)
-        tokens = min(cfg.nll_tokens, context - 2)
-        sparse_from = context - 1 - tokens
+        sparse_from = context - 1 - cfg.nll_tokens  # >= 1: EvaluationConfig checks nll_tokens against the contexts
         cache, states = self._prefill(ids[:sparse_from], jobs)
         chunk, targets = ids[sparse_from : context - 1], torch.tensor(ids[sparse_from + 1 :])
         for name, sparsity in jobs:
@@ -349,11 +425,19 @@ class Evaluation:
 
         torch.manual_seed(self.config.seed)
         cfg = self.config
+        if self.model is None:
+            if compute:
+                raise ValueError("this Evaluation has no model: it can only report from the cache (compute=False)")
+            if not self.selectors:
+                self.prepare_selectors()
+            return aggregate(self)
         with attention_hook.evaluation_attention(self.model):
             if not self.selectors:
                 self.prepare_selectors()
             if not compute:
                 return aggregate(self)
+            if cfg.task_samples:
+                self.check_task_prompts()
             per_sample = len(self._jobs())
             total = per_sample * len(cfg.contexts) * (cfg.nll_samples + cfg.task_samples * len(cfg.tasks))
             with tqdm(total=total, disable=not cfg.progress, desc="evaluation", unit="job") as bar:

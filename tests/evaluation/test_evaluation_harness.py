@@ -86,7 +86,7 @@ def _write_adapters(model, directory, key_heads):
     return directory
 
 
-def test_command_end_to_end_and_resume(model, tmp_path):
+def test_command_end_to_end_and_resume(model, tmp_path, monkeypatch):
     model_dir = str(tmp_path / "model")
     model.save_pretrained(model_dir)
     corpus = tiny_corpus(str(tmp_path / "corpus"))
@@ -134,7 +134,12 @@ def test_command_end_to_end_and_resume(model, tmp_path):
     with open(os.path.join(out, "results.json")) as f:
         assert json.load(f)["rows"] == results["rows"]  # deterministic: the same numbers again
 
-    # --report-only on a larger grid computes nothing and leaves the new cells empty.
+    # --report-only on a larger grid computes nothing and leaves the new cells empty; it reads the
+    # model's config but not its weights.
+    def no_weights(name, tokenizer_kind):
+        raise AssertionError("--report-only loaded the model's weights")
+
+    monkeypatch.setattr(cli, "load_model", no_weights)
     widened = [a if a != "4,8" else "4,8,16" for a in args] + ["--report-only"]
     assert cli.main(widened) == 0
     with open(os.path.join(out, "samples.jsonl")) as f:
@@ -142,6 +147,7 @@ def test_command_end_to_end_and_resume(model, tmp_path):
     with open(os.path.join(out, "results.json")) as f:
         wide = {(r["selector"], r["sparsity"]): r for r in json.load(f)["rows"]}
     assert wide[("lsh-32", 16.0)]["recall"] is None and wide[("lsh-32", 4.0)] == rows[("lsh-32", 4.0)]
+    assert all(wide[cell] == row for cell, row in rows.items())  # every selector found its cached results
 
 
 def test_help_lists_every_option(capsys):

@@ -104,6 +104,9 @@ class SelectorSetup:
         group_adapters_dir: adapters for group-shared selection (``key_heads="kv"``); None:
             the group-shared selector reuses ``adapters_dir``.
         seed: for selectors with random parameters (LSH).
+        identity_only: prepare only what :meth:`Selector.identity` and
+            :meth:`Selector.aux_bits_per_token` need (a report from the result cache, without the
+            model); :meth:`Selector.select` will not be called.
     """
 
     shape: ModelShape
@@ -111,6 +114,7 @@ class SelectorSetup:
     adapters_dir: Optional[str] = None
     group_adapters_dir: Optional[str] = None
     seed: int = 0
+    identity_only: bool = False
 
 
 class Selector:

@@ -36,10 +36,12 @@ class DoubleSparsity(Selector):
 
     def prepare(self, setup):
         super().prepare(setup)
-        if setup.calibration is None:
-            raise SelectorUnavailable("double_sparsity needs calibration queries and keys")
         if self.channels > setup.shape.head_dim:
             raise SelectorUnavailable(f"channels ({self.channels}) exceed head_dim ({setup.shape.head_dim})")
+        if setup.identity_only:
+            return
+        if setup.calibration is None:
+            raise SelectorUnavailable("double_sparsity needs calibration queries and keys")
         self.layer_channels = {
             layer: outlier_channels(q, k, self.channels) for layer, (q, k) in setup.calibration.items()
         }
