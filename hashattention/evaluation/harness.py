@@ -379,6 +379,8 @@ class Evaluation:
         (per-layer means; None where the answers are not in the prompt verbatim; the full model is
         skipped: it selects everything).
         """
+        if self.model is None:
+            raise ValueError("task_prompt_selection runs the model: this Evaluation was built without one")
         if not self.selectors:
             self.prepare_selectors()
         cfg = self.config
