@@ -32,3 +32,7 @@ def test_smollm2_generates_with_hashattention():
     assert sparse_out.shape[1] > ids.shape[1]
     assert int(sparse_out.max()) < model.config.vocab_size
     print(f"SmolLM2 test took {time.perf_counter() - start:.1f}s:", tokenizer.decode(sparse_out[0, ids.shape[1]:]))
+    # Batches pad: the GGUF tokenizer has no pad token of its own, load_smollm2 gives it one.
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["a long prompt ...", "another"], return_tensors="pt", padding=True)
+    assert tokenizer.pad_token is not None and batch["attention_mask"][1].tolist()[0] == 0
