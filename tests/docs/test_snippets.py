@@ -83,7 +83,7 @@ def test_markers_are_known_and_sit_on_a_block():
     marked_lines = {(block.page, block.line - 1) for block in BLOCKS if block.marker}
     for page in PAGES:
         for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-            if "snippet:" not in line:
+            if not (line.strip().startswith("<!--") and "snippet" in line):
                 continue
             match = MARKER.match(line.strip())
             assert match and match["kind"] in MARKERS, f"{page.name}:{number}: unknown snippet marker {line!r}"
