@@ -76,6 +76,9 @@ inline void prefetch_row(const scalar_t* row, int64_t d) {
 #endif
 }
 
+// The larger of a and b, NaN if either is NaN (std::max keeps a running -inf against a NaN).
+inline float max_keeping_nan(float a, float b) { return a > b || std::isnan(a) ? a : b; }
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
@@ -123,8 +126,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query,
         const scalar_t* qr = q_data + b * qs0 + h * qs1 + l * qs2;
         for (int64_t i = 0; i < d; ++i) q[i] = static_cast<float>(qr[i]) * scale_f;
 
-        logits.assign(used, -std::numeric_limits<float>::infinity());
-        float max_logit = -std::numeric_limits<float>::infinity();
+        // Non-finite inputs give what dense attention (SDPA's math backend, torch.softmax and
+        // torch.logsumexp) gives: a NaN logit makes out and lse NaN; a +inf logit gets the weight
+        // exp(inf - inf) = NaN, so out is NaN and lse +inf; when every logit is -inf (or nothing is
+        // selected) the weights are shifted by 0 instead of the max, so all are 0: out = 0,
+        // lse = -inf, as SDPA gives a row whose logits are all -inf. Every selected value row
+        // enters as p * v, even at p = 0, so an infinite or NaN value shows as in softmax(...) @ V.
+        const float minus_infinity = -std::numeric_limits<float>::infinity();
+        logits.assign(used, minus_infinity);
+        float max_logit = minus_infinity;
         for (int64_t j = 0; j < used; ++j) {
           if (j + kPrefetchAhead < used && list[j + kPrefetchAhead] >= 0) {
             prefetch_row(keys.row(b, kv, list[j + kPrefetchAhead]), d);
@@ -133,31 +143,28 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& query,
           const scalar_t* kr = keys.row(b, kv, list[j]);
           const float dot = dot_with_query(q.data(), kr, d);
           logits[j] = dot;
-          max_logit = std::max(max_logit, dot);
+          max_logit = max_keeping_nan(max_logit, dot);
         }
+        const float shift = max_logit == minus_infinity ? 0.f : max_logit;
         std::fill(acc.begin(), acc.end(), 0.f);
         float denominator = 0.f;
-        if (max_logit != -std::numeric_limits<float>::infinity()) {
-          for (int64_t j = 0; j < used; ++j) {
-            if (j + kPrefetchAhead < used && list[j + kPrefetchAhead] >= 0) {
-              prefetch_row(values.row(b, kv, list[j + kPrefetchAhead]), d);
-            }
-            if (list[j] < 0) continue;
-            const float p = std::exp(logits[j] - max_logit);
-            denominator += p;
-            const scalar_t* vr = values.row(b, kv, list[j]);
-            for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(vr[i]);
+        for (int64_t j = 0; j < used; ++j) {
+          if (j + kPrefetchAhead < used && list[j + kPrefetchAhead] >= 0) {
+            prefetch_row(values.row(b, kv, list[j + kPrefetchAhead]), d);
           }
+          if (list[j] < 0) continue;
+          const float p = std::exp(logits[j] - shift);
+          denominator += p;
+          const scalar_t* vr = values.row(b, kv, list[j]);
+          for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(vr[i]);
         }
+        // No weight (nothing selected, or every logit -inf): out = acc * 0, which is 0 (NaN where a
+        // value was not finite), and lse = -inf + log(0) = -inf.
+        const float inv = denominator == 0.f ? 0.f : 1.f / denominator;
         scalar_t* o = out_data + row * d;
-        if (denominator > 0.f) {
-          const float inv = 1.f / denominator;
-          for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(acc[i] * inv);
-          lse_data[row] = max_logit + std::log(denominator);
-        } else {  // nothing selected: zero output, log-sum-exp of an empty set
-          for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(0.f);
-          lse_data[row] = -std::numeric_limits<float>::infinity();
-        }
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<scalar_t>(acc[i] * inv);
+        lse_data[row] = max_logit == std::numeric_limits<float>::infinity() ? max_logit
+                                                                            : max_logit + std::log(denominator);
       }
     });
   });

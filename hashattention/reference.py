@@ -213,6 +213,18 @@ def gather_cache_rows(cache: Tensor, batch_index: int, kv_head: int, positions: 
     return cache[pages, (positions % page_size).long(), kv_head]
 
 
+def dense_softmax(logits: Tensor, dim: int = -1) -> Tensor:
+    """``torch.softmax``, except that a row whose logits are all -inf gets weights 0, not NaN.
+
+    This is the softmax of PyTorch's math SDPA backend (``torch.ops.aten._safe_softmax``): a fully
+    masked row gives ``out = 0``. Non-finite logits otherwise act as in ``torch.softmax``: a NaN or
+    a +inf logit makes the row NaN.
+    """
+    weights = torch.softmax(logits, dim=dim)
+    masked = (logits == float("-inf")).all(dim=dim, keepdim=True)
+    return weights.masked_fill(masked, 0.0)
+
+
 def sparse_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -223,7 +235,14 @@ def sparse_attention(
     scale: float,
     block_table: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Attention over the indexed rows in float64. Returns float64 ``(out, lse)``."""
+    """Attention over the indexed rows in float64. Returns float64 ``(out, lse)``.
+
+    ``out = dense_softmax(logits) @ v`` and ``lse = torch.logsumexp(logits)`` with
+    ``logits = k @ (q * scale)`` (the scale folded into the query, as the kernels do), so
+    non-finite inputs give what dense attention gives: a NaN or +inf logit makes ``out`` NaN
+    (``lse`` NaN or +inf), a non-finite selected value row shows in ``out``, and a row whose logits
+    are all -inf gives ``out = 0``, ``lse = -inf``, as does a row with nothing selected.
+    """
     batch, query_heads, rows, head_dim = query.shape
     selection_heads = indices.shape[1]
     kv_heads = key_cache.shape[2] if block_table is not None else key_cache.shape[1]
@@ -239,8 +258,8 @@ def sparse_attention(
                     continue
                 k = gather_cache_rows(key_cache, b, kv, positions, block_table).double()
                 v = gather_cache_rows(value_cache, b, kv, positions, block_table).double()
-                logits = (k @ query[b, h, l].double()) * scale
-                out[b, h, l] = torch.softmax(logits, dim=0) @ v
+                logits = k @ (query[b, h, l].double() * scale)
+                out[b, h, l] = dense_softmax(logits, dim=0) @ v
                 lse[b, h, l] = torch.logsumexp(logits, dim=0)
     return out, lse
 
@@ -257,17 +276,17 @@ def dense_causal_attention(
     """Dense causal attention in float64 over an HF-layout cache ``(B, Hkv, N, D)``.
 
     Row ``l`` of ``L`` attends to positions ``[start, lengths[b] - L + l]``; returns float64
-    ``(out, lse)`` with ``out = 0`` and ``lse = -inf`` for rows that see nothing.
+    ``(out, lse)`` with ``out = 0`` and ``lse = -inf`` for rows that see nothing; non-finite inputs
+    act as in :func:`sparse_attention`.
     """
     batch, query_heads, rows, _ = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     w = row_windows(batch, rows, keys, 0, 0, 0, lengths, start_positions, None, query.device)
     k = key.double().repeat_interleave(query_heads // kv_heads, dim=1)
     v = value.double().repeat_interleave(query_heads // kv_heads, dim=1)
-    logits = torch.einsum("bhld,bhnd->bhln", query.double(), k) * scale
+    logits = torch.einsum("bhld,bhnd->bhln", query.double() * scale, k)
     position = torch.arange(keys, device=query.device)[None, None, None, :]
     visible = (position >= w["start"][:, None, :, None]) & (position < w["end"][:, None, :, None])
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows that see nothing: all -inf
-    return weights @ v, lse
+    return dense_softmax(logits) @ v, lse

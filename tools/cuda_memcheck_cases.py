@@ -6,8 +6,9 @@ Covers each kernel path once or twice: the fused, cluster (2 and 4 blocks per he
 and cuBLAS encoders (alone and as a pair), sign-and-pack, Hamming scores, the one-launch (also in
 grid slices), chunked and radix-select paths of hamming_topk, topk_from_scores, sparse_attention
 with one and with several splits (merged in a cluster and through the counters, from a memset or
-from the caller's workspace), HF and paged layouts, with counts and without. Results are compared
-with the CPU kernels, so the run also fails on wrong answers. Prints OK at the end.
+from the caller's workspace), HF and paged layouts, with counts and without, and with a NaN query
+and infinite values. Results are compared with the CPU kernels, so the run also fails on wrong
+answers. Prints OK at the end.
 
 Kernel paths that the automatic choices would not take at these sizes are forced with the timing
 aids ``HASHATTENTION_ENCODER``, ``HASHATTENTION_SELECTION_RESIDENT_BLOCKS`` and
@@ -116,6 +117,18 @@ def main(argv=None):
                 ref, ref_lse = ha.sparse_attention(q, k, v, clean, counts, scale=0.1)
                 assert torch.allclose(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2), f"attention {dtype}"
                 ha.sparse_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), scale=0.1)  # no counts, -1 skipped
+                # Non-finite inputs through the same merges: a NaN query element (its row is NaN) and an
+                # infinite value column in sequence 1 (inf in that column of every non-empty row).
+                q_bad, v_bad = q.clone(), v.clone()
+                q_bad[0, 1, 0, 3] = float("nan")
+                v_bad[1, :, :, 5] = float("inf")
+                out, lse = ha.sparse_attention(q_bad.cuda(), k.cuda(), v_bad.cuda(), clean.cuda(), counts.cuda(),
+                                               scale=0.1)
+                ref, ref_lse = ha.sparse_attention(q_bad, k, v_bad, clean, counts, scale=0.1)
+                torch.testing.assert_close(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2, equal_nan=True,
+                                           msg=lambda m: f"non-finite attention {dtype}: {m}")
+                torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-3, equal_nan=True,
+                                           msg=lambda m: f"non-finite attention lse {dtype}: {m}")
             # paged
             pages = torch.randperm(64, generator=g)[:2 * 32].view(2, 32).to(torch.int32)
             kp = torch.randn(64, 16, 2, head_dim, generator=g).to(dtype)

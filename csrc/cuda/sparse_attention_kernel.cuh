@@ -149,8 +149,38 @@ struct Elements<c10::BFloat16> : PackedElements<c10::BFloat16, __nv_bfloat162> {
   }
 };
 
-__device__ __forceinline__ float safe_exp2_diff(float a, float b) {  // exp2(a - b), 0 when a = -inf
-  return a == -INFINITY ? 0.0f : exp2f(a - b);
+// Softmax states (running max in base 2, sum of weights, weighted values) combine with the
+// arithmetic below, which gives what dense attention (SDPA's math backend, torch.softmax and
+// torch.logsumexp) gives for non-finite logits, without a branch in the main loop:
+// * a NaN logit makes the max NaN (max_keeping_nan), and with it every weight, sum and output;
+// * a +inf logit gets the weight exp2(inf - inf) = NaN: out is NaN, lse +inf (natural_lse);
+// * when every logit so far is -inf (nothing selected, or infinite inputs) the exponents are
+//   shifted by 0 instead of the max (softmax_shift), so every weight is exp2(-inf) = 0: out = 0,
+//   lse = -inf, as SDPA gives a row whose logits are all -inf;
+// * a value row enters as weight * v even at weight 0, so an infinite or NaN value shows as in
+//   dense softmax(...) @ V.
+// fmaxf returns the other operand for a NaN: a NaN logit would vanish from a row whose other
+// logits are -inf.
+__device__ __forceinline__ float max_keeping_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+#else
+  return a != a || a > b ? a : b;
+#endif
+}
+
+// The exponent shift of a state whose max is `m`: exp2(x - softmax_shift(m)) is the weight of
+// logit x (or the rescale of a state with max x).
+__device__ __forceinline__ float softmax_shift(float m) { return m == -INFINITY ? 0.0f : m; }
+
+// 1 / sum, and 0 for a state without weight (out = 0, or NaN where a value was not finite).
+__device__ __forceinline__ float inverse_sum(float sum) { return sum == 0.0f ? 0.0f : 1.0f / sum; }
+
+// The natural-log log-sum-exp of a state with max `m` (base 2) and weight sum `sum`.
+__device__ __forceinline__ float natural_lse(float m, float sum) {
+  return m == INFINITY ? INFINITY : (m + log2f(sum)) * 0.69314718055994531f;
 }
 
 // The cluster merge: every split of the unit (one block each, the whole cluster) has left its
@@ -188,10 +218,11 @@ __device__ __forceinline__ void merge_cluster_splits(float (&state)[kMaxHeads][D
     if (threadIdx.x < heads) {
       const int h = threadIdx.x;
       float m = -INFINITY;
-      for (int sp = 0; sp < splits; ++sp) m = fmaxf(m, split_max[sp * kMaxHeads + h]);
+      for (int sp = 0; sp < splits; ++sp) m = max_keeping_nan(m, split_max[sp * kMaxHeads + h]);
+      const float shift = softmax_shift(m);
       float sum = 0.0f;
       for (int sp = 0; sp < splits; ++sp) {
-        const float weight = m == -INFINITY ? 0.0f : safe_exp2_diff(split_max[sp * kMaxHeads + h], m);
+        const float weight = exp2f(split_max[sp * kMaxHeads + h] - shift);
         sum = fmaf(split_sum[sp * kMaxHeads + h], weight, sum);
         split_sum[sp * kMaxHeads + h] = weight;
       }
@@ -223,14 +254,14 @@ __device__ __forceinline__ void merge_cluster_splits(float (&state)[kMaxHeads][D
         }
       }
       const float sum = head_sum[h];
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float inv = inverse_sum(sum);
       const int64_t row = first_row + h * head_rows;
       T* o = out + row * D + d4 * 4;
       o[0] = static_cast<T>(total.x * inv);
       o[1] = static_cast<T>(total.y * inv);
       o[2] = static_cast<T>(total.z * inv);
       o[3] = static_cast<T>(total.w * inv);
-      if (d4 == 0) lse[row] = sum > 0.0f ? (head_max[h] + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+      if (d4 == 0) lse[row] = natural_lse(head_max[h], sum);
     }
   }
   cluster.sync();
@@ -384,16 +415,16 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     for (int h = 0; h < kMaxHeads; ++h) {
       float step_max = logit[0][h];
 #pragma unroll
-      for (int u = 1; u < kUnroll; ++u) step_max = fmaxf(step_max, logit[u][h]);
-      const float new_max = fmaxf(running_max[h], step_max);
-      if (new_max == -INFINITY) continue;  // nothing valid yet for this row group
-      const float rescale = safe_exp2_diff(running_max[h], new_max);
+      for (int u = 1; u < kUnroll; ++u) step_max = max_keeping_nan(step_max, logit[u][h]);
+      const float new_max = max_keeping_nan(running_max[h], step_max);
+      const float shift = softmax_shift(new_max);
+      const float rescale = exp2f(running_max[h] - shift);
       running_sum[h] *= rescale;
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[h][e] *= rescale;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const float weight = safe_exp2_diff(logit[u][h], new_max);
+        const float weight = exp2f(logit[u][h] - shift);
         running_sum[h] += weight;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(weight, vf[u][e], acc[h][e]);
@@ -462,9 +493,10 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     for (int h = 0; h < kMaxHeads; ++h) {
       const float other_max = __shfl_xor_sync(0xffffffffu, running_max[h], offset);
       const float other_sum = __shfl_xor_sync(0xffffffffu, running_sum[h], offset);
-      const float new_max = fmaxf(running_max[h], other_max);
-      const float mine = new_max == -INFINITY ? 0.0f : safe_exp2_diff(running_max[h], new_max);
-      const float theirs = new_max == -INFINITY ? 0.0f : safe_exp2_diff(other_max, new_max);
+      const float new_max = max_keeping_nan(running_max[h], other_max);
+      const float shift = softmax_shift(new_max);
+      const float mine = exp2f(running_max[h] - shift);
+      const float theirs = exp2f(other_max - shift);
       running_sum[h] = running_sum[h] * mine + other_sum * theirs;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -494,20 +526,21 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
     const int h = i / (D + 1), d = i % (D + 1);  // d == D: the (max, sum) pair
     float block_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kAttentionWarps; ++w) block_max = fmaxf(block_max, warp_state[w][h][D]);
+    for (int w = 0; w < kAttentionWarps; ++w) block_max = max_keeping_nan(block_max, warp_state[w][h][D]);
+    const float shift = softmax_shift(block_max);
     float total = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kAttentionWarps; ++w) {
-      const float weight = block_max == -INFINITY ? 0.0f : safe_exp2_diff(warp_state[w][h][D], block_max);
+      const float weight = exp2f(warp_state[w][h][D] - shift);
       sum += warp_state[w][h][D + 1] * weight;
       if (d < D) total += warp_state[w][h][d] * weight;
     }
     const int64_t out_row = (b * p.query_heads + first_head + h) * p.rows + l;
     if (p.splits == 1) {
       if (d < D) {
-        out[out_row * D + d] = static_cast<T>(sum > 0.0f ? total / sum : 0.0f);
+        out[out_row * D + d] = static_cast<T>(total * inverse_sum(sum));
       } else {
-        p.lse[out_row] = sum > 0.0f ? (block_max + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        p.lse[out_row] = natural_lse(block_max, sum);
       }
     } else if (p.cluster_merge) {
       if (d < D) {
@@ -549,12 +582,15 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
   const float* unit_max_sum = p.partial_max_sum + unit * p.splits * kMaxHeads * 2;
   for (int h = warp; h < heads; h += kAttentionWarps) {
     float m = -INFINITY;
-    for (int sp = lane; sp < p.splits; sp += 32) m = fmaxf(m, __ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2));
+    for (int sp = lane; sp < p.splits; sp += 32) {
+      m = max_keeping_nan(m, __ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2));
+    }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    for (int offset = 16; offset > 0; offset >>= 1) m = max_keeping_nan(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    const float shift = softmax_shift(m);
     float sum = 0.0f;
     for (int sp = lane; sp < p.splits; sp += 32) {
-      const float weight = m == -INFINITY ? 0.0f : safe_exp2_diff(__ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2), m);
+      const float weight = exp2f(__ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2) - shift);
       split_weight[sp * kMaxHeads + h] = weight;
       sum += __ldcg(unit_max_sum + (sp * kMaxHeads + h) * 2 + 1) * weight;
     }
@@ -580,14 +616,14 @@ __global__ void __launch_bounds__(kAttentionThreads, kMinBlocks<T, kMaxHeads, kP
       total.w = fmaf(a.w, weight, total.w);
     }
     const float sum = head_sum[h];
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float inv = inverse_sum(sum);
     const int64_t out_row = (b * p.query_heads + first_head + h) * p.rows + l;
     T* o = out + out_row * D + d4 * 4;
     o[0] = static_cast<T>(total.x * inv);
     o[1] = static_cast<T>(total.y * inv);
     o[2] = static_cast<T>(total.z * inv);
     o[3] = static_cast<T>(total.w * inv);
-    if (d4 == 0) p.lse[out_row] = sum > 0.0f ? (head_max[h] + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+    if (d4 == 0) p.lse[out_row] = natural_lse(head_max[h], sum);
   }
 }
 
