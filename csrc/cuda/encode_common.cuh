@@ -62,7 +62,7 @@ __device__ __forceinline__ int32_t* signature_row(const FusedMlpParams& p, int64
 __device__ __forceinline__ float activate(float v, int activation) {
   switch (activation) {
     case kSilu: return v / (1.0f + expf(-v));
-    case kRelu: return v > 0.0f ? v : 0.0f;
+    case kRelu: return v < 0.0f ? 0.0f : v;  // NaN stays NaN, as in at::relu (its signature bits are 0)
     case kGelu: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));  // exact (erf) GELU, as at::gelu
     case kTanh: return tanhf(v);
     default: return v;

@@ -195,3 +195,29 @@ def test_pack_signs_bit_order(device):
 def test_pack_signs_nan_gives_zero(device):
     values = torch.full((32,), float("nan"))
     assert ha.pack_signs(values.to(device)).item() == 0
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu", "gelu", "tanh", "identity"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (4, 4), (3, 30)])  # on CUDA: decode-step kernels, then cuBLAS
+@pytest.mark.parametrize("kernel", ["auto", "fma", "mma", "cluster2", "cluster4"])
+def test_encode_nan_row_gives_zero_bits(device, monkeypatch, activation, batch, tokens, kernel):
+    """A NaN in a row makes every MLP output of that row NaN (every activation keeps NaN, as torch's
+    do), and a NaN gets bit 0 (as in pack_signs): the same all-zero signature on every device and
+    kernel, alone and in the pair launch; the other rows keep their signatures."""
+    if device == "cpu" and kernel != "auto":
+        pytest.skip("HASHATTENTION_ENCODER chooses between CUDA kernels")
+    if kernel != "auto":
+        monkeypatch.setenv("HASHATTENTION_ENCODER", kernel)
+    heads, sizes = 3, (128, 128, 32)
+    g = generator_for("encode-nan", device, activation, batch, tokens, kernel)
+    x = torch.randn(batch, heads, tokens, sizes[0], generator=g).to(torch.bfloat16).to(device)
+    weights, biases = make_mlp(heads, list(sizes), g, torch.bfloat16, device)
+    expected = ha.encode_signatures(x, weights, biases, activation).cpu()
+    x[0, 1, tokens - 1, 5] = float("nan")
+    expected[0, 1, tokens - 1] = 0
+    cpu_weights, cpu_biases = [w.cpu() for w in weights], [b.cpu() for b in biases]
+    assert torch.equal(reference.encode_signatures(x.cpu(), cpu_weights, cpu_biases, activation)[0, 1, tokens - 1],
+                       expected[0, 1, tokens - 1])
+    assert torch.equal(ha.encode_signatures(x, weights, biases, activation).cpu(), expected)
+    pair = ha.encode_signatures_pair(x, weights, biases, x, weights, biases, activation)
+    assert torch.equal(pair[0].cpu(), expected) and torch.equal(pair[1].cpu(), expected)
