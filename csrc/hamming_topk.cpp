@@ -26,8 +26,9 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cpu(const at::Tensor& query_sign
                                                     int64_t selection_heads, int64_t sink_tokens,
                                                     int64_t local_tokens, int64_t budget_tokens) {
   const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
-  const SelectionArgs args = check_selection_args(lengths, start_positions, budgets, dims.batch, query_signatures,
-                                                  "query_signatures", sink_tokens, local_tokens, budget_tokens);
+  const SelectionArgs args =
+      check_selection_args(lengths, start_positions, budgets, dims.batch, query_signatures, "query_signatures",
+                           dims.keys, "key_signatures", sink_tokens, local_tokens, budget_tokens);
   check_selection_values(lengths, start_positions, dims.keys);
 
   const int64_t width = args.width();

@@ -162,8 +162,8 @@ HammingDims check_hamming_args(const at::Tensor& q, const at::Tensor& k, int64_t
 SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
                                    const std::optional<at::Tensor>& start_positions,
                                    const std::optional<at::Tensor>& budgets, int64_t batch,
-                                   const at::Tensor& ref, const char* ref_name, int64_t sink,
-                                   int64_t local, int64_t budget) {
+                                   const at::Tensor& ref, const char* ref_name, int64_t keys, const char* keys_name,
+                                   int64_t sink, int64_t local, int64_t budget) {
   TORCH_CHECK_VALUE(sink >= 0 && sink <= kInt32Max, "sink_tokens must be in [0, 2^31 - 1], got ", as_text(sink));
   TORCH_CHECK_VALUE(local >= 0 && local <= kInt32Max, "local_tokens must be in [0, 2^31 - 1], got ", as_text(local));
   TORCH_CHECK_VALUE(budget >= 0 && budget <= kInt32Max, "budget_tokens must be in [0, 2^31 - 1], got ",
@@ -172,6 +172,8 @@ SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
                     "sink_tokens + local_tokens + budget_tokens must be >= 1 (nothing would be selected)");
   TORCH_CHECK_VALUE(sink + local + budget <= kInt32Max, "sink_tokens + local_tokens + budget_tokens (",
                     as_text(sink + local + budget), ") is the output width and must fit in int32");
+  TORCH_CHECK_VALUE(keys <= kInt32Max, as_text(keys_name), " has ", as_text(keys),
+                    " keys; the selected positions are int32, so at most 2^31 - 1 keys are supported");
   check_per_sequence(lengths, batch, ref, "lengths", ref_name);
   check_per_sequence(start_positions, batch, ref, "start_positions", ref_name);
   check_per_sequence(budgets, batch, ref, "budgets", ref_name);
@@ -187,8 +189,9 @@ ScoreSelectionDims check_score_selection_args(const at::Tensor& scores, const st
                    "floating-point) tensor, got ", as_text(dtype));
   check_dim(scores, 4, "scores", "(batch, selection_heads, rows, keys)");
   check_nonempty_batch(scores.size(0), "scores");
-  const SelectionArgs selection = check_selection_args(lengths, start_positions, budgets, scores.size(0), scores,
-                                                       "scores", sink_tokens, local_tokens, budget_tokens);
+  const SelectionArgs selection =
+      check_selection_args(lengths, start_positions, budgets, scores.size(0), scores, "scores", scores.size(3),
+                           "scores", sink_tokens, local_tokens, budget_tokens);
   return ScoreSelectionDims{scores.size(0), scores.size(1), scores.size(2), scores.size(3), selection};
 }
 

@@ -68,11 +68,13 @@ struct SelectionArgs {
   int64_t sink, local, budget;
   int64_t width() const { return sink + local + budget; }
 };
+// The window sizes, the per-sequence tensors (on ref's device), and the number of keys, held by
+// the tensor named keys_name: the selected positions are int32, so `keys` must fit in int32.
 SelectionArgs check_selection_args(const std::optional<at::Tensor>& lengths,
                                    const std::optional<at::Tensor>& start_positions,
                                    const std::optional<at::Tensor>& budgets, int64_t batch,
-                                   const at::Tensor& ref, const char* ref_name, int64_t sink_tokens,
-                                   int64_t local_tokens, int64_t budget_tokens);
+                                   const at::Tensor& ref, const char* ref_name, int64_t keys, const char* keys_name,
+                                   int64_t sink_tokens, int64_t local_tokens, int64_t budget_tokens);
 struct ScoreSelectionDims {
   int64_t batch, heads, rows, keys;
   SelectionArgs selection;

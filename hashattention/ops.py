@@ -1,9 +1,11 @@
 """Documented wrappers of ``torch.ops.hashattention.*``, with their fake kernels beside them.
 
 The fake (meta) kernels compute output shapes only; they let the ops run under
-``torch.compile`` and inside CUDA graphs. Every argument check lives in the C++ kernels
-(``csrc/op_arguments.cpp``), shared by all devices, so the wrappers below add nothing but
-documentation and defaults.
+``torch.compile`` and inside CUDA graphs. The argument checks live in the C++ kernels
+(``csrc/op_arguments.cpp``), shared by all devices. Python adds two that the kernels cannot
+make: the fakes reject a mix of devices (a mix that includes a ``meta`` tensor dispatches to
+the fake, not to a device kernel), and the wrappers name an integer argument too large for
+the schema's 64-bit ``int``, which torch would reject without naming it.
 
 Conventions used throughout:
 
@@ -30,6 +32,45 @@ import torch
 from torch import Tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+_WINDOW_RANGE = "[0, 2^31 - 1]"  # the kernels' range of sink_tokens, local_tokens and budget_tokens
+
+
+def _check_schema_int(name: str, value, expected: str) -> None:
+    """ValueError naming ``name`` for a Python int outside int64, which the op's schema cannot carry.
+
+    Values inside int64 reach the kernels, whose check enforces the range ``expected`` with the
+    same wording; torch's own message for a larger int names neither the argument nor the range.
+    """
+    if isinstance(value, int) and not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+        raise ValueError(f"{name} must be {expected}, got {value}")
+
+
+def _check_selection_ints(selection_heads, sink_tokens, local_tokens, budget_tokens) -> None:
+    if selection_heads is not None:
+        _check_schema_int("selection_heads", selection_heads, "a divisor of the query heads")
+    _check_schema_int("sink_tokens", sink_tokens, f"in {_WINDOW_RANGE}")
+    _check_schema_int("local_tokens", local_tokens, f"in {_WINDOW_RANGE}")
+    _check_schema_int("budget_tokens", budget_tokens, f"in {_WINDOW_RANGE}")
+
+
+def _check_same_device(reference_name: str, reference: Tensor, **others) -> None:
+    """The fake kernels' device check, worded as the kernels' (``csrc/checks.h``).
+
+    Each of ``others`` is a tensor, None, or a list of tensors (named ``name[i]``). A mix of
+    devices that includes ``meta`` dispatches to the fake kernel, which would otherwise return
+    uninitialised tensors on the reference's device. All-meta and all-fake inputs (torch.compile,
+    FakeTensorMode) share one device and pass.
+    """
+    for name, value in others.items():
+        is_list = isinstance(value, (list, tuple))
+        for item_name, tensor in [(f"{name}[{i}]", t) for i, t in enumerate(value)] if is_list else [(name, value)]:
+            if tensor is not None and tensor.device != reference.device:
+                raise ValueError(
+                    f"{item_name} is on {tensor.device} but {reference_name} is on {reference.device}; "
+                    "all tensors must be on the same device"
+                )
 
 
 def encode_signatures(
@@ -58,6 +99,7 @@ def encode_signatures(
 
 @torch.library.register_fake("hashattention::encode_signatures")
 def _encode_signatures_fake(x, weights, biases, activation="silu"):
+    _check_same_device("x", x, weights=weights, biases=biases)
     bits = weights[-1].shape[-1]
     return x.new_empty((*x.shape[:-1], bits // 32), dtype=torch.int32)
 
@@ -104,6 +146,8 @@ def encode_signatures_pair(
 
 @torch.library.register_fake("hashattention::encode_signatures_pair")
 def _encode_signatures_pair_fake(query, query_weights, query_biases, key, key_weights, key_biases, activation="silu"):
+    _check_same_device("query", query, query_weights=query_weights, query_biases=query_biases, key=key)
+    _check_same_device("key", key, key_weights=key_weights, key_biases=key_biases)
     query_signatures = _encode_signatures_fake(query, query_weights, query_biases, activation)
     batch, _, tokens, _ = key.shape
     key_heads = key_weights[0].shape[0]  # the MLP heads, not key's (which may be fewer)
@@ -154,6 +198,9 @@ def encode_signatures_pair_into(
 def _encode_signatures_pair_into_fake(
     query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions, activation="silu"
 ):
+    _check_same_device("query", query, query_weights=query_weights, query_biases=query_biases, key=key)
+    _check_same_device("key", key, key_weights=key_weights, key_biases=key_biases, key_signatures=key_signatures,
+                       positions=positions)
     return _encode_signatures_fake(query, query_weights, query_biases, activation)
 
 
@@ -193,11 +240,13 @@ def hamming_scores(query_signatures: Tensor, key_signatures: Tensor, selection_h
         in ``[0, 32 W Hq / Hs]``; higher is more similar. No causal or length masking is
         applied. The decode path uses :func:`hamming_topk`, which never writes this tensor.
     """
+    _check_schema_int("selection_heads", selection_heads, "a divisor of the query heads")
     return torch.ops.hashattention.hamming_scores.default(query_signatures, key_signatures, selection_heads)
 
 
 @torch.library.register_fake("hashattention::hamming_scores")
 def _hamming_scores_fake(query_signatures, key_signatures, selection_heads):
+    _check_same_device("query_signatures", query_signatures, key_signatures=key_signatures)
     batch, _, rows, _ = query_signatures.shape
     keys = key_signatures.shape[2]
     return query_signatures.new_empty((batch, selection_heads, rows, keys), dtype=torch.int32)
@@ -245,6 +294,7 @@ def hamming_topk(
         with -1 after the first ``counts[b, s, l]`` entries; int32 ``(B, Hs, L)`` counts.
         With ``budget_tokens >= N`` every causal, non-padding position is selected.
     """
+    _check_selection_ints(selection_heads, sink_tokens, local_tokens, budget_tokens)
     return torch.ops.hashattention.hamming_topk.default(
         query_signatures,
         key_signatures,
@@ -262,6 +312,8 @@ def hamming_topk(
 def _hamming_topk_fake(
     query_signatures, key_signatures, lengths, start_positions, budgets, selection_heads, sink, local, budget
 ):
+    _check_same_device("query_signatures", query_signatures, key_signatures=key_signatures, lengths=lengths,
+                       start_positions=start_positions, budgets=budgets)
     batch, _, rows, _ = query_signatures.shape
     width = sink + local + budget
     indices = query_signatures.new_empty((batch, selection_heads, rows, width), dtype=torch.int32)
@@ -310,6 +362,7 @@ def encode_pair_and_select(
         ``(indices, counts, query_signatures)``: int32 ``(B, Hs, L, K)``, ``(B, Hs, L)`` as from
         :func:`hamming_topk`, and the query signatures, int32 ``(B, Hq, L, Wq)``.
     """
+    _check_selection_ints(selection_heads, sink_tokens, local_tokens, budget_tokens)
     return torch.ops.hashattention.encode_pair_and_select.default(
         query, list(query_weights), list(query_biases), key, list(key_weights), list(key_biases), key_signatures,
         positions, activation, selection_heads, sink_tokens, local_tokens, budget_tokens, lengths, start_positions,
@@ -322,6 +375,10 @@ def _encode_pair_and_select_fake(
     query, query_weights, query_biases, key, key_weights, key_biases, key_signatures, positions, activation,
     selection_heads, sink, local, budget, lengths=None, start_positions=None, budgets=None,
 ):
+    _check_same_device("query", query, query_weights=query_weights, query_biases=query_biases, key=key,
+                       lengths=lengths, start_positions=start_positions, budgets=budgets)
+    _check_same_device("key", key, key_weights=key_weights, key_biases=key_biases, key_signatures=key_signatures,
+                       positions=positions)
     query_signatures = _encode_signatures_fake(query, query_weights, query_biases, activation)
     indices, counts = _hamming_topk_fake(
         query_signatures, key_signatures, lengths, start_positions, budgets, selection_heads, sink, local, budget
@@ -349,6 +406,7 @@ def topk_from_scores(
     This is how other selectors (the exact top-k oracle, Quest, H2O, ...) share one budget
     contract and one attention op.
     """
+    _check_selection_ints(None, sink_tokens, local_tokens, budget_tokens)
     return torch.ops.hashattention.topk_from_scores.default(
         scores, lengths, start_positions, budgets, sink_tokens, local_tokens, budget_tokens
     )
@@ -356,6 +414,7 @@ def topk_from_scores(
 
 @torch.library.register_fake("hashattention::topk_from_scores")
 def _topk_from_scores_fake(scores, lengths, start_positions, budgets, sink, local, budget):
+    _check_same_device("scores", scores, lengths=lengths, start_positions=start_positions, budgets=budgets)
     batch, heads, rows, _ = scores.shape
     width = sink + local + budget
     indices = scores.new_empty((batch, heads, rows, width), dtype=torch.int32)
@@ -404,7 +463,11 @@ def sparse_attention(
         ``(out, lse)``: ``(B, Hq, L, D)`` in the query dtype -- softmax over the selected rows
         only, accumulated in float32 -- and the float32 ``(B, Hq, L)`` natural-log
         log-sum-exp of the scaled logits, so results can be merged with other attention.
-        A row with no selected positions gets ``out = 0`` and ``lse = -inf``.
+        A row with no selected positions gets ``out = 0`` and ``lse = -inf``. NaN and infinite
+        inputs give what dense attention (SDPA's math backend, ``torch.logsumexp``) gives: a NaN in
+        the query, the scale or a selected key row makes ``out`` and ``lse`` NaN, a ``+inf`` logit
+        makes ``out`` NaN and ``lse`` ``+inf``, a non-finite selected value shows in ``out``, and a
+        row whose logits are all ``-inf`` gets ``out = 0``, ``lse = -inf`` (docs/ops.md).
     """
     return torch.ops.hashattention.sparse_attention.default(
         query, key_cache, value_cache, indices, counts, block_table, float(scale), workspace
@@ -413,6 +476,8 @@ def sparse_attention(
 
 @torch.library.register_fake("hashattention::sparse_attention")
 def _sparse_attention_fake(query, key_cache, value_cache, indices, counts, block_table, scale, workspace=None):
+    _check_same_device("query", query, key_cache=key_cache, value_cache=value_cache, indices=indices, counts=counts,
+                       block_table=block_table, workspace=workspace)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
     return out, lse

@@ -185,8 +185,9 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cuda(const at::Tensor& query_sig
                                                      int64_t selection_heads, int64_t sink_tokens,
                                                      int64_t local_tokens, int64_t budget_tokens) {
   const HammingDims dims = check_hamming_args(query_signatures, key_signatures, selection_heads);
-  const SelectionArgs args = check_selection_args(lengths, start_positions, budgets, dims.batch, query_signatures,
-                                                  "query_signatures", sink_tokens, local_tokens, budget_tokens);
+  const SelectionArgs args =
+      check_selection_args(lengths, start_positions, budgets, dims.batch, query_signatures, "query_signatures",
+                           dims.keys, "key_signatures", sink_tokens, local_tokens, budget_tokens);
   const c10::cuda::CUDAGuard guard(query_signatures.device());
   auto int_options = query_signatures.options().dtype(at::kInt);
   at::Tensor indices = new_output({dims.batch, dims.selection_heads, dims.rows, args.width()}, int_options);

@@ -20,9 +20,9 @@ def i32(*values, device="cpu"):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def mlp(heads=4, sizes=(64, 32, 32)):
-    weights = [torch.randn(heads, a, b) for a, b in zip(sizes[:-1], sizes[1:])]
-    biases = [torch.randn(heads, b) for b in sizes[1:]]
+def mlp(heads=4, sizes=(64, 32, 32), device="cpu"):
+    weights = [torch.randn(heads, a, b, device=device) for a, b in zip(sizes[:-1], sizes[1:])]
+    biases = [torch.randn(heads, b, device=device) for b in sizes[1:]]
     return weights, biases
 
 
@@ -30,6 +30,15 @@ def topk(q, k, **overrides):
     kwargs = dict(selection_heads=q.shape[1], sink_tokens=2, local_tokens=2, budget_tokens=4)
     kwargs.update(overrides)
     return ha.hamming_topk(q, k, **kwargs)
+
+
+def encode_and_select(**overrides):
+    weights, biases = mlp()
+    key_signatures = sig(1, 4, 9, 1)
+    kwargs = dict(selection_heads=4, sink_tokens=1, local_tokens=1, budget_tokens=2)
+    kwargs.update(overrides)
+    return ha.encode_pair_and_select(torch.randn(1, 4, 1, 64), weights, biases, torch.randn(1, 4, 1, 64), weights,
+                                     biases, key_signatures, torch.tensor([8]), **kwargs)
 
 
 def attention(q=None, k=None, v=None, indices=None, counts=None, **kwargs):
@@ -125,6 +134,28 @@ CASES = [
                                      budget_tokens=2**30), ValueError, "must fit in int32"),
     ("nothing to select", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), sink_tokens=0, local_tokens=0,
                                        budget_tokens=0), ValueError, "must be >= 1"),
+    # integers beyond int32, and beyond the schema's int64 (which torch would reject without a name)
+    ("budget 2^40", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), budget_tokens=2**40), ValueError,
+     r"budget_tokens must be in \[0, 2\^31 - 1\], got 1099511627776"),
+    ("budget 2^70", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), budget_tokens=2**70), ValueError,
+     r"budget_tokens must be in \[0, 2\^31 - 1\], got 1180591620717411303424"),
+    ("sink 2^64", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), sink_tokens=2**64), ValueError,
+     r"sink_tokens must be in \[0, 2\^31 - 1\], got 18446744073709551616"),
+    ("local -2^70", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), local_tokens=-(2**70)), ValueError,
+     r"local_tokens must be in \[0, 2\^31 - 1\], got -1180591620717411303424"),
+    ("selection heads 2^70 (top-k)", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), selection_heads=2**70),
+     ValueError, "selection_heads must be a divisor of the query heads, got 1180591620717411303424"),
+    ("selection heads 2^70 (scores)", lambda: ha.hamming_scores(sig(1, 4, 1, 1), sig(1, 4, 8, 1), 2**70),
+     ValueError, "selection_heads must be a divisor of the query heads, got 1180591620717411303424"),
+    ("scores budget 2^70", lambda: ha.topk_from_scores(torch.zeros(1, 1, 1, 4), sink_tokens=1, local_tokens=1,
+                                                       budget_tokens=2**70), ValueError, "budget_tokens must be in"),
+    ("encode-and-select budget 2^70", lambda: encode_and_select(budget_tokens=2**70), ValueError,
+     "budget_tokens must be in"),
+    ("more keys than int32 positions (top-k)", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 1, 1).expand(1, 4, 2**31, 1)),
+     ValueError, "key_signatures has 2147483648 keys; the selected positions are int32"),
+    ("more keys than int32 positions (scores)",
+     lambda: ha.topk_from_scores(torch.zeros(1, 1, 1, 1).expand(1, 1, 1, 2**31), sink_tokens=1, local_tokens=1,
+                                 budget_tokens=1), ValueError, "scores has 2147483648 keys; the selected positions"),
     # values (CPU checks)
     ("lengths > N", lambda: topk(sig(1, 4, 1, 1), sig(1, 4, 8, 1), lengths=i32(9)), ValueError,
      r"lengths\[0\] = 9 must be in \[0, N\] where N = 8"),
@@ -168,6 +199,80 @@ def test_device_mismatch_is_rejected():
     with pytest.raises(ValueError, match="workspace is on cpu but query is on cuda"):
         cuda = dict(q=torch.randn(1, 4, 1, 64, device="cuda"), k=torch.randn(1, 2, 10, 64, device="cuda"))
         attention(**cuda, indices=i32(0, 1, device="cuda").reshape(1, 1, 1, 2), workspace=sig(4))
+
+
+def meta_mix_cases(device):
+    """(description, call, message): one argument on the meta device, the others on `device`.
+
+    A mix that includes a meta tensor dispatches to the op's fake kernel rather than to the device
+    kernel whose argument check rejects mixed devices."""
+    on, meta = dict(device=device), dict(device="meta")
+    q_sig, k_sig = sig(1, 4, 1, 1, **on), sig(1, 4, 8, 1, **on)
+    x, weights, biases = torch.randn(1, 4, 1, 64, **on), *mlp(device=device)
+    meta_weights = [weights[0], weights[1].to("meta")]
+    q, k = torch.randn(1, 4, 1, 64, **on), torch.randn(1, 2, 10, 64, **on)
+    indices = i32(0, 1, 2, **on).reshape(1, 1, 1, 3)
+    pages, table = torch.randn(5, 4, 2, 64, **on), i32(0, 1, **on).reshape(1, 2)
+    slots, positions = sig(1, 4, 9, 1, **on), torch.tensor([8], **on)
+
+    def pair_into(**changed):
+        args = dict(key_signatures=slots, positions=positions)
+        args.update(changed)
+        return ha.encode_signatures_pair_into(x, weights, biases, x, weights, biases, **args)
+
+    def select(**changed):
+        args = dict(key_signatures=slots, positions=positions, selection_heads=4, sink_tokens=1, local_tokens=1,
+                    budget_tokens=2)
+        args.update(changed)
+        return ha.encode_pair_and_select(x, weights, biases, x, weights, biases, **args)
+
+    def attend(**changed):
+        args = dict(query=q, key_cache=k, value_cache=k, indices=indices, scale=0.125)
+        args.update(changed)
+        return ha.sparse_attention(**args)
+
+    return [
+        ("scores: key_signatures", lambda: ha.hamming_scores(q_sig, k_sig.to("meta"), 4),
+         f"key_signatures is on meta but query_signatures is on {device}"),
+        ("scores: query_signatures", lambda: ha.hamming_scores(q_sig.to("meta"), k_sig, 4),
+         f"key_signatures is on {device}.* but query_signatures is on meta"),
+        ("top-k: lengths", lambda: topk(q_sig, k_sig, lengths=i32(8, **meta)),
+         f"lengths is on meta but query_signatures is on {device}"),
+        ("top-k: budgets", lambda: topk(q_sig, k_sig, budgets=i32(2, **meta)),
+         f"budgets is on meta but query_signatures is on {device}"),
+        ("scores top-k: start_positions", lambda: ha.topk_from_scores(
+            torch.zeros(1, 1, 1, 4, **on), start_positions=i32(0, **meta), sink_tokens=1, local_tokens=1,
+            budget_tokens=1), f"start_positions is on meta but scores is on {device}"),
+        ("encode: weights[1]", lambda: ha.encode_signatures(x, meta_weights, biases),
+         f"weights\\[1\\] is on meta but x is on {device}"),
+        ("pair: key", lambda: ha.encode_signatures_pair(x, weights, biases, x.to("meta"), weights, biases),
+         f"key is on meta but query is on {device}"),
+        ("pair: key_weights[1]", lambda: ha.encode_signatures_pair(x, weights, biases, x, meta_weights, biases),
+         f"key_weights\\[1\\] is on meta but key is on {device}"),
+        ("pair into: positions", lambda: pair_into(positions=positions.to("meta")),
+         f"positions is on meta but key is on {device}"),
+        ("pair into: key_signatures", lambda: pair_into(key_signatures=slots.to("meta")),
+         f"key_signatures is on meta but key is on {device}"),
+        ("encode and select: lengths", lambda: select(lengths=i32(9, **meta)),
+         f"lengths is on meta but query is on {device}"),
+        ("attention: key_cache", lambda: attend(key_cache=k.to("meta")),
+         f"key_cache is on meta but query is on {device}"),
+        ("attention: query", lambda: attend(query=q.to("meta")), f"key_cache is on {device}.* but query is on meta"),
+        ("attention: counts", lambda: attend(counts=i32(3, **meta).reshape(1, 1, 1)),
+         f"counts is on meta but query is on {device}"),
+        ("attention: block_table", lambda: attend(key_cache=pages, value_cache=pages, block_table=table.to("meta")),
+         f"block_table is on meta but query is on {device}"),
+        ("attention: workspace", lambda: attend(workspace=sig(4, **meta)),
+         f"workspace is on meta but query is on {device}"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(meta_mix_cases("cpu"))), ids=[c[0] for c in meta_mix_cases("cpu")])
+def test_meta_tensor_mixed_with_device_tensors_is_rejected(device, case):
+    """Never the fake kernel's uninitialised outputs: the message names the argument and both devices."""
+    _, call, message = meta_mix_cases(device)[case]
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 def test_missing_extension_error_says_how_to_build(monkeypatch):

@@ -61,3 +61,16 @@ def sample_calls(device):
 def test_opcheck(device, call):
     name, args = sample_calls(device)[call]
     torch.library.opcheck(getattr(OPS, name).default, args)
+
+
+@pytest.mark.parametrize("call", range(len(sample_calls("cpu"))))
+def test_all_meta_inputs_give_the_shapes_of_the_cpu_outputs(call):
+    """Meta tensors alone are one device: the fake kernel runs, and the device check it makes (a mix
+    with meta is rejected) lets them through."""
+    name, cpu_args = sample_calls("cpu")[call]
+    _, meta_args = sample_calls("meta")[call]
+    op = getattr(OPS, name).default
+    expected, got = op(*cpu_args), op(*meta_args)
+    expected, got = ((t,) if isinstance(t, torch.Tensor) else tuple(t) for t in (expected, got))
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in expected]
+    assert all(t.device.type == "meta" for t in got)
