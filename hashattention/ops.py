@@ -40,8 +40,9 @@ _WINDOW_RANGE = "[0, 2^31 - 1]"  # the kernels' range of sink_tokens, local_toke
 def _check_schema_int(name: str, value, expected: str) -> None:
     """ValueError naming ``name`` for a Python int outside int64, which the op's schema cannot carry.
 
-    Values inside int64 reach the kernels, whose check enforces the range ``expected`` with the
-    same wording; torch's own message for a larger int names neither the argument nor the range.
+    Values inside int64 reach the kernels, whose checks enforce the range ``expected`` (for the
+    window sizes with this message); torch's own message for a larger int names neither the
+    argument nor the range.
     """
     if isinstance(value, int) and not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
         raise ValueError(f"{name} must be {expected}, got {value}")

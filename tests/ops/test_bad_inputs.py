@@ -2,7 +2,9 @@
 
 Shape/value problems raise ValueError, dtype problems TypeError. The checks are shared by
 the CPU and CUDA kernels; checks that read tensor values (lengths <= N, index ranges) are
-CPU-only, since on the GPU they would force a host sync.
+CPU-only, since on the GPU they would force a host sync. Two checks are Python's: device mixes
+that include meta (which dispatch to the fake kernels) and integers beyond int64 (which the op
+schema cannot carry).
 """
 
 import pytest
