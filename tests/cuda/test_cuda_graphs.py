@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import capture_cuda_graph, generator_for, random_signatures
+from op_helpers import capture_cuda_graph, generator_for, random_signatures
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"

@@ -16,7 +16,7 @@ import torch
 
 import hashattention as ha
 from hashattention import reference
-from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
+from op_helpers import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
 from encoder_helpers import make_mlp
 
 pytestmark = pytest.mark.skipif(

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
+from op_helpers import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for, random_signatures
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import generator_for
+from op_helpers import generator_for
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and ha.WITH_CUDA), reason="needs a GPU and the CUDA kernels"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import DEVICES
+from op_helpers import DEVICES
 
 
 def sig(*shape, device="cpu"):

@@ -9,7 +9,7 @@ import torch
 
 import hashattention as ha
 from hashattention import reference
-from conftest import generator_for
+from op_helpers import generator_for
 from encoder_helpers import MARGIN, check_bits, make_mlp, strided
 
 

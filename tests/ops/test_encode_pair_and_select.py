@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import generator_for, random_lengths, random_signatures
+from op_helpers import generator_for, random_lengths, random_signatures
 from encoder_helpers import make_mlp, strided
 
 ERRORS = (RuntimeError, TypeError, ValueError)  # TORCH_CHECK, TORCH_CHECK_TYPE, TORCH_CHECK_VALUE

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hashattention as ha
-from conftest import generator_for, random_signatures
+from op_helpers import generator_for, random_signatures
 from encoder_helpers import make_mlp, strided
 from test_encode_pair import SHAPES
 

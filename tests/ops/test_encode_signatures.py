@@ -5,7 +5,7 @@ import torch
 
 import hashattention as ha
 from hashattention import reference
-from conftest import generator_for
+from op_helpers import generator_for
 from encoder_helpers import MARGIN, at_element_offset, check_bits, make_mlp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -5,7 +5,7 @@ import torch
 
 import hashattention as ha
 from hashattention import reference
-from conftest import generator_for, random_lengths, random_signatures
+from op_helpers import generator_for, random_lengths, random_signatures
 
 HEAD_LAYOUTS = [(4, 4), (8, 2), (9, 3)]
 WINDOWS = [(0, 0), (4, 3), (16, 16)]

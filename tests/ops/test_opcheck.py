@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hashattention  # noqa: F401  (registers the ops)
-from conftest import generator_for, random_signatures
+from op_helpers import generator_for, random_signatures
 
 OPS = torch.ops.hashattention
 

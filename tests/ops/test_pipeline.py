@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import hashattention as ha
 from hashattention import reference
-from conftest import ATTENTION_TOLERANCE, assert_close_verbose, generator_for
+from op_helpers import ATTENTION_TOLERANCE, assert_close_verbose, generator_for
 
 
 def make_inputs(g, batch, query_heads, kv_heads, rows, keys, head_dim, dtype, key_heads, bits=32):

@@ -8,7 +8,7 @@ import torch
 
 import hashattention  # noqa: F401  (registers the ops)
 from hashattention import HashAttentionConfig
-from conftest import generator_for
+from op_helpers import generator_for
 
 
 def expected_bounds(lengths, visible, config):

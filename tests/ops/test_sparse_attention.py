@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hashattention as ha
 from hashattention import reference
-from conftest import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for
+from op_helpers import ATTENTION_TOLERANCE, assert_close_verbose, capture_cuda_graph, generator_for
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
