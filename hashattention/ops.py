@@ -83,7 +83,7 @@ def encode_signatures(
         x: ``(B, H, N, D)`` float32/float16/bfloat16 -- queries or keys, one MLP per head.
         weights: per layer ``(H, in_features, out_features)`` (note: ``x @ W``, not
             ``nn.Linear``'s ``[out, in]``); the first ``in_features`` is ``D``, the last
-            ``out_features`` (the signature bits) a multiple of 32. Any float dtype.
+            ``out_features`` (the signature bits) a multiple of 32. float32, float16 or bfloat16 (not float64).
         biases: per layer ``(H, out_features)``.
         activation: applied between layers (not after the last): ``"silu"`` (default),
             ``"relu"``, ``"gelu"``, ``"tanh"`` or ``"identity"``.
