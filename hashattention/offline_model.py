@@ -30,6 +30,14 @@ def smollm2_gguf_path() -> str:
     return path
 
 
+def smollm2_config():
+    """The transformers config of the bundled model, read without its weights (seconds, not the model's load)."""
+    from transformers import AutoConfig
+
+    path = smollm2_gguf_path()
+    return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """Load ``(model, tokenizer)`` from the bundled GGUF file, offline. The model is in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

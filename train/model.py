@@ -46,10 +46,9 @@ def load_model_config(config: TrainConfig):
     from transformers import AutoConfig
 
     if config.model == "smollm2":
-        from hashattention.offline_model import smollm2_gguf_path
+        from hashattention.offline_model import smollm2_config
 
-        path = smollm2_gguf_path()
-        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return smollm2_config()
     if not os.path.isfile(os.path.join(config.model, "config.json")):
         raise ValueError(f"TrainConfig.model must be 'smollm2' or a Hugging Face model directory (with a config.json), "
                          f"got {config.model!r}")

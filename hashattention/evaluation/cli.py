@@ -109,10 +109,9 @@ def load_model_config(name: str):
     from transformers import AutoConfig
 
     if name == "smollm2":
-        from ..offline_model import smollm2_gguf_path
+        from ..offline_model import smollm2_config
 
-        path = smollm2_gguf_path()
-        return AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return smollm2_config()
     if not os.path.isdir(name):
         raise ValueError(f"--model must be 'smollm2' or a local model directory, got {name!r}")
     return AutoConfig.from_pretrained(name)
