@@ -35,6 +35,10 @@ def __getattr__(name):
         from . import patching
 
         return getattr(patching, name)
+    if name == "GenerationOptions":
+        from .generation import GenerationOptions
+
+        return GenerationOptions
     raise AttributeError(f"module 'hashattention' has no attribute {name!r}")
 
 
@@ -43,6 +47,7 @@ WITH_CUDA: bool = bool(_C.with_cuda)
 
 __all__ = [
     "AdapterConfig",
+    "GenerationOptions",
     "HashAdapters",
     "HashAttentionConfig",
     "is_patched",

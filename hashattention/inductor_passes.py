@@ -65,6 +65,14 @@ class ConcatProjections(CustomGraphPass):
     def uuid(self):
         return (get_hash_for_files((__file__,)), self.layout)
 
+    # Equal by layout: transformers deep-copies the generation config (and its compile options) on
+    # every generate call and compiles anew when the copy differs from the last call's.
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ConcatProjections) and other.layout == self.layout
+
+    def __hash__(self) -> int:
+        return hash((ConcatProjections, self.layout))
+
 
 def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:

@@ -14,6 +14,10 @@ a signature layer (:mod:`hashattention.cache`) and passes that layer and the mod
 adapter to the attention function as keyword arguments. The model's weights, its modules
 and its state dict are untouched; ``unpatch`` removes the hooks and restores the previous
 attention implementation.
+
+It also sets up ``model.generate`` for speed (:mod:`hashattention.generation`: the decode step's
+compile settings, static caches in size buckets, stop checks that never wait for the GPU) and
+``unpatch`` restores the model's generation settings.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from .adapters import HashAdapters
 from .attention import ATTENTION_NAME, LayerRuntime, register
 from .cache import SIGNATURE_LAYERS, ensure_signature_layer
 from .config import HashAttentionConfig, validate_for_model
+from .generation import GenerationOptions, GenerationState
+from . import generation
 from .ops import SUPPORTED_HEAD_DIMS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -47,6 +53,8 @@ class PatchHandle:
     config: HashAttentionConfig
     previous_attn_implementation: str
     hooks: List[torch.utils.hooks.RemovableHandle]
+    generation_options: GenerationOptions = dataclasses.field(default_factory=GenerationOptions)
+    generation_state: Optional[GenerationState] = None
 
     def __enter__(self) -> "PatchHandle":
         return self
@@ -143,11 +151,12 @@ def _check_adapter_tensors(adapters: HashAdapters) -> None:
                     )
 
 
-def _inject_layer_state(runtime: LayerRuntime, module, args, kwargs):
+def _inject_layer_state(runtime: LayerRuntime, defer_stop_check: bool, module, args, kwargs):
     """Forward pre-hook of an attention module: hand its adapter and signature cache layer to the attention function."""
     cache = kwargs.get("past_key_values")
     layer = start_layer = None
     if cache is not None and not runtime.dense:
+        generation.mark_cache(cache, defer_stop_check)
         layer = ensure_signature_layer(cache, module.layer_idx, runtime.adapter)
         index = runtime.start_layer_index
         if index is not None and index < len(cache.layers) and isinstance(cache.layers[index], SIGNATURE_LAYERS):
@@ -158,7 +167,8 @@ def _inject_layer_state(runtime: LayerRuntime, module, args, kwargs):
     return args, kwargs
 
 
-def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] = None) -> PatchHandle:
+def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] = None,
+          generation_options: Optional[GenerationOptions] = None) -> PatchHandle:
     """Enable HashAttention on ``model`` (a transformers Llama / Mistral causal LM or base model).
 
     Args:
@@ -167,6 +177,10 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
         adapters: :class:`~hashattention.adapters.HashAdapters` shaped for this model; moved to
             the model's device (their dtype is kept: float32 adapters stay float32).
         config: :class:`HashAttentionConfig`; default ``HashAttentionConfig()`` (16x sparsity).
+        generation_options: how ``model.generate`` runs while patched
+            (:class:`~hashattention.generation.GenerationOptions`; default: the decode step's compile
+            settings, static caches sized in buckets of 4096 tokens, stop checks that never wait for
+            the GPU). Generated tokens do not depend on them.
 
     Returns:
         A :class:`PatchHandle`, usable as a context manager. A cache filled before patching is
@@ -185,6 +199,9 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
         raise ValueError(f"adapters must be a HashAdapters, got {type(adapters).__name__}")
     if not isinstance(config, HashAttentionConfig):
         raise ValueError(f"config must be a HashAttentionConfig, got {type(config).__name__}")
+    generation_options = GenerationOptions() if generation_options is None else generation_options
+    if not isinstance(generation_options, GenerationOptions):
+        raise ValueError(f"generation_options must be a GenerationOptions, got {type(generation_options).__name__}")
     if is_patched(model):
         raise ValueError(
             f"this {type(model).__name__} is already patched with HashAttention; unpatch first "
@@ -213,9 +230,10 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
             start_layer_index=sparse_layers[0] if sparse_layers else None,
             last_sparse_layer=bool(sparse_layers) and index == sparse_layers[-1],
         )
-        hook = functools.partial(_inject_layer_state, runtime)
+        hook = functools.partial(_inject_layer_state, runtime, generation_options.defer_stop_check)
         hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
-    handle = PatchHandle(model, adapters, config, previous, hooks)
+    handle = PatchHandle(model, adapters, config, previous, hooks, generation_options,
+                         generation.apply(model, generation_options))
     setattr(model, _STATE_ATTRIBUTE, handle)
     return handle
 
@@ -228,6 +246,8 @@ def unpatch(model) -> None:
     for hook in handle.hooks:
         hook.remove()
     model.set_attn_implementation(handle.previous_attn_implementation)
+    if handle.generation_state is not None:
+        generation.restore(model, handle.generation_state)
     delattr(model, _STATE_ATTRIBUTE)
 
 

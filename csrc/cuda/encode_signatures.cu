@@ -4,14 +4,18 @@
 // Encoding of few rows (a decode step: batch * tokens <= 64 per head) runs in one fused
 // kernel (encode_fused.cu); encode_signatures_pair runs a decode step's query and key problems
 // in one launch of it. Otherwise the per-head MLP runs as batched matrix products through
-// ATen (cuBLAS) in float32 -- the same arithmetic as the CPU kernel, so bits differ only where
-// a pre-sign value is within float32 summation-order error of 0 -- and the last layer's bias
+// ATen (cuBLAS): bf16 tensor-core GEMMs with split float32 activations for bf16 x and weights
+// (encode_split_bf16), float32 GEMMs for the rest -- the same arithmetic as the CPU kernel, so
+// bits differ only where a pre-sign value is within float32 summation-order error of 0 (split:
+// ~16 significant bits of each activation) -- and the last layer's bias
 // add, the sign and the packing are fused into one kernel: each warp reads 32 consecutive
 // outputs (one 128-byte coalesced load) and a warp ballot turns their signs into the int32 word.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "checks.h"
 #include "cuda_common.cuh"
@@ -120,14 +124,63 @@ void encode_batched_matmul(const at::Tensor& x, at::TensorList weights, at::Tens
   launch_sign_pack(h, last_bias, out, dims.bits, dims.tokens, dims.heads);
 }
 
+// The tensor-core path of prefill-sized problems with bfloat16 x and weights (a bf16 model's prompt:
+// every key of a 128K-token prompt per layer). The float32 products of encode_batched_matmul ran on
+// the CUDA cores and their float32 copies dominated a patched model's prefill (H200, 128K tokens,
+// 32 per-query-head key MLPs: ~0.67 s over 32 layers). Here every product is a bf16 GEMM with float32
+// accumulation and output: x and the weights are exact in bf16, and each float32 activation a enters
+// as hi = bf16(a) and lo = bf16(a - hi), one GEMM each -- the split of the tensor-core decode kernel
+// (encode_mma.cu), so the products carry ~16 significant bits of a, within the encoder tests' margin.
+// Tokens go in chunks of at most kSplitChunkRows rows over all heads, which bounds the float32
+// intermediates (512 MB at width 128) whatever the prompt length.
+constexpr int64_t kSplitChunkRows = int64_t(1) << 20;
+
+bool split_bf16_applies(const at::Tensor& x, at::TensorList weights, at::TensorList biases) {
+  if (x.scalar_type() != at::kBFloat16) return false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (weights[i].scalar_type() != at::kBFloat16 || biases[i].scalar_type() != at::kBFloat16) return false;
+  }
+  return true;
+}
+
+void encode_split_bf16(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                       const std::string& activation, const EncodeDims& dims, at::Tensor& out) {
+  const int64_t batch = x.size(0), tokens = x.size(2), heads = dims.heads;
+  const int64_t chunk = std::max<int64_t>(1, kSplitChunkRows / std::max<int64_t>(1, heads * batch));
+  const size_t layers = weights.size();
+  std::vector<at::Tensor> hidden_biases;  // (H, 1, out_i) float32, added between the products
+  for (size_t i = 0; i + 1 < layers; ++i) hidden_biases.push_back(biases[i].to(at::kFloat).unsqueeze(1));
+  const at::Tensor last_bias = biases[layers - 1].to(at::kFloat).contiguous();  // added in the pack kernel
+  for (int64_t start = 0; start < tokens; start += chunk) {
+    const int64_t n = std::min(chunk, tokens - start);
+    // (H, B * n, D): head-major rows, one batched GEMM per layer over all heads.
+    const at::Tensor rows =
+        repeat_x_heads(x.narrow(2, start, n), heads).transpose(0, 1).reshape({heads, batch * n, x.size(3)});
+    at::Tensor h = at::bmm(rows, weights[0], at::kFloat);
+    for (size_t i = 1; i < layers; ++i) {
+      h.add_(hidden_biases[i - 1]);
+      apply_activation_(h, activation);
+      const at::Tensor hi = h.to(at::kBFloat16);
+      const at::Tensor lo = h.sub_(hi.to(at::kFloat)).to(at::kBFloat16);
+      h = at::baddbmm(at::bmm(hi, weights[i], at::kFloat), lo, weights[i], at::kFloat);
+    }
+    // Row r of h belongs to head r / (B * n); pack, then scatter (H, B, n) into out's (B, H, N).
+    at::Tensor packed = at::empty({heads, batch * n, dims.words}, out.options());
+    launch_sign_pack(h, last_bias, packed, dims.bits, batch * n, heads);
+    out.narrow(2, start, n).copy_(packed.view({heads, batch, n, dims.words}).transpose(0, 1));
+  }
+}
+
 // One encoder problem, validated: x (B, Hx, N, D) with Hx dividing the MLP heads. Few rows go
-// through the fused kernel (which maps heads itself), the rest through cuBLAS on a copy of x
-// with one head per MLP head.
+// through the fused kernel (which maps heads itself), the rest through cuBLAS: bf16 GEMMs for
+// bf16 x and weights, float32 ones otherwise, on a copy of x with one head per MLP head.
 at::Tensor encode_problem(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                           const std::string& activation, const EncodeDims& dims) {
   at::Tensor out = new_output({dims.batch, dims.heads, dims.tokens, dims.words}, x.options().dtype(at::kInt));
   if (fused_encode_applies(x, weights, biases)) {
     encode_fused_cuda(x, weights, biases, activation, out);
+  } else if (split_bf16_applies(x, weights, biases)) {
+    encode_split_bf16(x, weights, biases, activation, dims, out);
   } else {
     encode_batched_matmul(repeat_x_heads(x, dims.heads), weights, biases, activation, dims, out);
   }
