@@ -14,6 +14,10 @@ a signature layer (:mod:`hashattention.cache`) and passes that layer and the mod
 adapter to the attention function as keyword arguments. The model's weights, its modules
 and its state dict are untouched; ``unpatch`` removes the hooks and restores the previous
 attention implementation.
+
+On a model sharded by transformers' tensor parallelism (``tp_plan="auto"`` under torchrun) each
+process computes some of the heads; it runs the adapters of those heads
+(:mod:`hashattention.tensor_parallel`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ changes anything.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -92,11 +93,10 @@ def check_divisible(num_query_heads: int, num_kv_heads: int, world_size: int) ->
 
 
 def _dtensor_class():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+    """``DTensor``, or None when nothing has imported it (then no weight can be one, and a plain
+    single-process ``patch`` does not pay for the import)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def head_shard(attention_modules, num_query_heads: int, num_kv_heads: int) -> Optional[HeadShard]:
@@ -110,8 +110,8 @@ def head_shard(attention_modules, num_query_heads: int, num_kv_heads: int) -> Op
     Returns:
         None when the projections are plain tensors, replicated ``DTensor`` s or on a mesh of one
         process (no tensor parallelism, or a plan that does not shard attention): every head is
-        computed here. Otherwise the
-        :class:`HeadShard` of this process's coordinate on the projections' mesh.
+        computed here. Otherwise the :class:`HeadShard` of this process's coordinate on the
+        projections' mesh.
 
     Raises:
         ValueError: the head counts do not divide by the mesh size; the projections are sharded
@@ -154,8 +154,8 @@ def shard_adapters(adapters: HashAdapters, shard: HeadShard) -> HashAdapters:
     Every layer's query stack keeps the heads ``shard.query_heads`` and its key stack the heads
     ``shard.key_signature_heads(key_heads)``: weights ``(Hq, in, out) -> (Hq / W, in, out)``, biases
     ``(Hq, out) -> (Hq / W, out)`` (likewise for the key heads). Dtypes, devices and ``requires_grad``
-    are kept; the config gets the local head counts. The slices are copies: the slice is taken once,
-    at patch time, and does not follow later in-place edits of ``adapters``.
+    are kept; the config gets the local head counts. The slices are copies, so they do not follow
+    later in-place edits of ``adapters``.
     """
     config = adapters.config
     if (config.num_query_heads, config.num_kv_heads) != (shard.num_query_heads, shard.num_kv_heads):

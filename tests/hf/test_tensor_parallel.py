@@ -10,14 +10,14 @@ import subprocess
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hashattention.patching import patch
+
+from hf_models import random_ids
 from tensor_parallel_helpers import (FULL_BUDGET_RUNS, KINDS, SPARSE_RUNS, adapters_for, greedy_generation,
                                      launch_command, load, run_patched, subprocess_env, teacher_forced_logits,
                                      write_models)
-from transformers import DynamicCache
-
-from hf_models import random_ids
 
 pytestmark = pytest.mark.slow
 RANKS = 2
