@@ -47,8 +47,8 @@ FIT_FIELDS = ("train_sequences", "top_k", "sink_tokens", "local_tokens", "target
 #: The settings that may change between a fit and its ``--resume``: which layers this run fits,
 #: how it runs, what validation measures, where the adapters are written and in which dtype.
 #: (Resumed weights are bit-identical for any ``checkpoint_every``.)
-RESUMABLE_FIELDS = ("layers", "threads", "device", "checkpoint_every", "validation_sequences", "sparsities", "save_dtype",
-                    "work_dir", "output_dir")
+RESUMABLE_FIELDS = ("layers", "threads", "device", "checkpoint_every", "validation_sequences", "sparsities",
+                    "save_dtype", "work_dir", "output_dir")
 
 
 def weighted_bce_loss(logits: Tensor, labels: Tensor, included: Tensor, positive_weight: Tensor,
