@@ -18,6 +18,10 @@ attention implementation.
 It also sets up ``model.generate`` for speed (:mod:`hashattention.generation`: the decode step's
 compile settings, static caches in size buckets, stop checks that never wait for the GPU) and
 ``unpatch`` restores the model's generation settings.
+
+On a model sharded by transformers' tensor parallelism (``tp_plan="auto"`` under torchrun) each
+process computes some of the heads; it runs the adapters of those heads
+(:mod:`hashattention.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .config import HashAttentionConfig, validate_for_model
 from .generation import GenerationOptions, GenerationState
 from . import generation
 from .ops import SUPPORTED_HEAD_DIMS
+from .tensor_parallel import HeadShard, adapters_for_shard, expected_adapter_heads, head_shard
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 #: Model dtypes the attention and encoder kernels take.
@@ -46,13 +51,18 @@ _STATE_ATTRIBUTE = "_hashattention_patch"
 
 @dataclasses.dataclass
 class PatchHandle:
-    """Returned by :func:`patch`; also a context manager that unpatches on exit."""
+    """Returned by :func:`patch`; also a context manager that unpatches on exit.
+
+    ``adapters`` are the adapters the layers run: under tensor parallelism this rank's slice
+    (``shard`` says which heads), otherwise the ones given to :func:`patch`.
+    """
 
     model: torch.nn.Module
     adapters: HashAdapters
     config: HashAttentionConfig
     previous_attn_implementation: str
     hooks: List[torch.utils.hooks.RemovableHandle]
+    shard: Optional[HeadShard] = None
     generation_options: GenerationOptions = dataclasses.field(default_factory=GenerationOptions)
     generation_state: Optional[GenerationState] = None
 
@@ -73,8 +83,9 @@ def decoder_layers(model):
     return layers
 
 
-def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> None:
-    """Every check of :func:`patch`, before it changes anything: a ValueError naming what differs."""
+def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> Optional[HeadShard]:
+    """Every check of :func:`patch`, before it changes anything: a ValueError naming what differs.
+    Returns the heads this process computes under tensor parallelism (None: all of them)."""
     model_config = model.config.get_text_config(decoder=True)
     model_type = getattr(model_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,6 +114,10 @@ def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> 
         "num_kv_heads": getattr(model_config, "num_key_value_heads", None) or heads,
         "head_dim": head_dim,
     }
+    shard = head_shard([getattr(layer, "self_attn", None) for layer in decoder_layers(model)], heads,
+                       expected["num_kv_heads"])
+    if shard is not None:  # the full adapters or this rank's slice
+        expected["num_query_heads"], expected["num_kv_heads"] = expected_adapter_heads(adapters.config, shard)
     for name, value in expected.items():
         if getattr(adapters.config, name) != value:
             raise ValueError(
@@ -122,6 +137,7 @@ def _check_model(model, adapters: HashAdapters, config: HashAttentionConfig) -> 
     for index, layer in enumerate(layers):
         if getattr(getattr(layer, "self_attn", None), "layer_idx", None) != index:
             raise ValueError(f"decoder layer {index} has no self_attn module with layer_idx = {index}")
+    return shard
 
 
 def _check_adapter_tensors(adapters: HashAdapters) -> None:
@@ -175,7 +191,10 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
         model: the model (float32, float16 or bfloat16; head dim 64, 128 or 256); it keeps working
             with ``forward`` and ``generate``.
         adapters: :class:`~hashattention.adapters.HashAdapters` shaped for this model; moved to
-            the model's device (their dtype is kept: float32 adapters stay float32).
+            the model's device (their dtype is kept: float32 adapters stay float32). On a
+            tensor-parallel model (``tp_plan="auto"`` under torchrun) each rank runs the adapters
+            of its own heads: pass the full adapters (each rank slices them) or the rank's slice
+            (:mod:`hashattention.tensor_parallel`).
         config: :class:`HashAttentionConfig`; default ``HashAttentionConfig()`` (16x sparsity).
         generation_options: how ``model.generate`` runs while patched
             (:class:`~hashattention.generation.GenerationOptions`; default: the decode step's compile
@@ -190,7 +209,8 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
     Raises:
         ValueError: before anything is changed, naming what does not fit: the model type, its
             head dim or dtype, the adapters' layout against the model's, ``config.bits`` or
-            ``config.dense_layers``; or when the model is already patched. Patches do not stack:
+            ``config.dense_layers``, head counts that the tensor-parallel size does not divide; or
+            when the model is already patched. Patches do not stack:
             to change the adapters or the config, ``unpatch`` (or leave the ``with`` block) first,
             so that ``unpatch`` and every ``with`` exit return the model to exactly its state before.
     """
@@ -208,13 +228,15 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
             "(hashattention.unpatch(model), or leave the `with hashattention.patch(...)` block), then patch "
             "with the new adapters or config"
         )
-    _check_model(model, adapters, config)
+    shard = _check_model(model, adapters, config)
+
+    if shard is not None:  # each rank runs the adapters of its own heads
+        adapters = adapters_for_shard(adapters, shard)
 
     register()
     adapters.to(device=model.device)
-    model_config = model.config.get_text_config(decoder=True)
-    heads = model_config.num_attention_heads
-    selection_heads = heads if config.selection == "query_head" else adapters.config.num_kv_heads
+    local = adapters.config  # the heads this process computes (all of them without tensor parallelism)
+    selection_heads = local.num_query_heads if config.selection == "query_head" else local.num_kv_heads
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     hooks = []
@@ -232,7 +254,7 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
         )
         hook = functools.partial(_inject_layer_state, runtime, generation_options.defer_stop_check)
         hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
-    handle = PatchHandle(model, adapters, config, previous, hooks, generation_options,
+    handle = PatchHandle(model, adapters, config, previous, hooks, shard, generation_options,
                          generation.apply(model, generation_options))
     setattr(model, _STATE_ATTRIBUTE, handle)
     return handle

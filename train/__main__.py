@@ -2,7 +2,8 @@
 
 ``run`` = collect + fit + validate. Every TrainConfig field is a flag; a TOML/JSON config file sets
 them too, and flags given on the command line win. Launch with ``torchrun --nproc_per_node N -m train
-...`` to shard sequences (collect) and layers (fit, validate) across N processes (gloo).
+...`` to shard sequences (collect) and layers (fit, validate) across N processes (gloo on the CPU,
+NCCL with ``--device cuda``: one GPU per process).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     config = config_from_arguments(args)
     from .distributed import DistributedContext
 
-    context = DistributedContext()
+    context = DistributedContext(device=config.device)
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format=f"%(asctime)s rank{context.rank} %(name)s %(levelname)s %(message)s")
     if config.threads:

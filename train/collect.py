@@ -187,6 +187,7 @@ def collect(config: TrainConfig, context: DistributedContext) -> None:
         context.barrier()
         return
     model, tokenizer = _load_for_capture(config)
+    model.to(context.device)
     sequences = {split: token_sequences(config, tokenizer, split,
                                         config.train_sequences if split == "train" else config.validation_sequences)
                  for split in {s for s, _ in todo}}
@@ -199,16 +200,16 @@ def collect(config: TrainConfig, context: DistributedContext) -> None:
         positions = sample_query_positions(config, split, index)
         recorder = Recorder(positions, dtype)
         _active_recorder = recorder
-        tokens = sequences[split][index][None]
+        tokens = sequences[split][index][None].to(context.device)
         offset = sequence_position_offset(config, split, index)
-        position_ids = torch.arange(offset, offset + tokens.shape[1])[None]
+        position_ids = torch.arange(offset, offset + tokens.shape[1], device=context.device)[None]
         try:
             with torch.no_grad():
                 # The decoder alone: the LM head (the largest matmul of a small model) is not needed.
                 base(input_ids=tokens, position_ids=position_ids, use_cache=False)
         finally:
             _active_recorder = None
-        tensors = {"query_positions": positions, **recorder.tensors}
+        tensors = {"query_positions": positions, **{name: t.cpu() for name, t in recorder.tensors.items()}}
         metadata = {"split": split, "index": str(index), "position_offset": str(offset)}
         atomic_write(shard_path(config, split, index), lambda p: save_file(tensors, p, metadata))
         log.info("collect: wrote %s", shard_path(config, split, index))

@@ -19,6 +19,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from hashattention.activations import ACTIVATIONS
 
+#: Values of ``TrainConfig.device`` (:mod:`train.distributed` places each process).
+DEVICES = ("cpu", "cuda")
+
 #: The checkout this package runs from (train/ is not installed: it runs from a clone).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: A small public-domain corpus shipped with the clone, enough for a smoke-test run.
@@ -90,6 +93,9 @@ class TrainConfig:
     seed: int = 0
     layers: Optional[Tuple[int, ...]] = None  # train/validate only these layers (default all)
     threads: int = 0  # torch intra-op threads per process (0: leave torch's default)
+    # Where collect's model forward and fit run: "cpu", or "cuda" (each torchrun process on the GPU
+    # of its LOCAL_RANK, processes joined through NCCL). Validation runs on the CPU either way.
+    device: str = "cpu"
     # validation
     sparsities: Tuple[int, ...] = (8, 16, 32)  # budget n/s tokens in total, windows included
     save_dtype: str = "bfloat16"  # dtype of the shipped adapter weights
@@ -142,7 +148,7 @@ class TrainConfig:
             )
         choices = {"tokenizer": ("auto", "bytes"), "target": ("qk", "qk_log_value_norm"), "key_heads": ("query", "kv"),
                    "dataset": ("local", "openwebtext"), "shard_dtype": ("float32", "bfloat16"),
-                   "save_dtype": ("float32", "bfloat16", "float16"), "activation": ACTIVATIONS,
+                   "save_dtype": ("float32", "bfloat16", "float16"), "activation": ACTIVATIONS, "device": DEVICES,
                    "retrieval_fact_style": ("repeat", "paraphrase", "multivalue", "frequent", "codes")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -282,6 +288,7 @@ HELP = {
     "seed": "seed of initialisation, data order, query sampling and LSH projections",
     "layers": "train/validate only these layers (default: all)",
     "threads": "torch intra-op threads per process (0: torch's default)",
+    "device": '"cpu" or "cuda" (collect and fit on the GPU of each process\'s LOCAL_RANK; NCCL between processes)',
     "sparsities": "validation budgets n/s (tokens in total, windows included)",
     "save_dtype": "dtype of the written adapter weights: bfloat16, float16 or float32",
     "work_dir": "shards, checkpoints, per-layer weights and validation reports",

@@ -47,8 +47,8 @@ FIT_FIELDS = ("train_sequences", "top_k", "sink_tokens", "local_tokens", "target
 #: The settings that may change between a fit and its ``--resume``: which layers this run fits,
 #: how it runs, what validation measures, where the adapters are written and in which dtype.
 #: (Resumed weights are bit-identical for any ``checkpoint_every``.)
-RESUMABLE_FIELDS = ("layers", "threads", "checkpoint_every", "validation_sequences", "sparsities", "save_dtype",
-                    "work_dir", "output_dir")
+RESUMABLE_FIELDS = ("layers", "threads", "device", "checkpoint_every", "validation_sequences", "sparsities",
+                    "save_dtype", "work_dir", "output_dir")
 
 
 def weighted_bce_loss(logits: Tensor, labels: Tensor, included: Tensor, positive_weight: Tensor,
@@ -170,17 +170,19 @@ def epoch_order(config: TrainConfig, layer: int, epoch: int, count: int) -> Tens
 
 
 def fit_layer(config: TrainConfig, layout: Dict, layer: int, resume: bool, progress: Optional[tqdm] = None,
-              step_budget: Optional[List[int]] = None) -> Optional[Dict]:
-    """Train one layer to the end (or until ``step_budget[0]`` steps ran); returns its summary when finished."""
+              step_budget: Optional[List[int]] = None, device: torch.device = torch.device("cpu")) -> Optional[Dict]:
+    """Train one layer on ``device`` to the end (or until ``step_budget[0]`` steps ran); returns its summary
+    when finished. Checkpoints and the layer's weights are read and written from and to CPU tensors."""
     from safetensors.torch import save_file
 
     final_path = final_layer_path(config, layer)
     ckpt_path = checkpoint_path(config, layer)
-    samples = [add_labels(config, s) for s in load_layer_samples(shard_paths(config, "train"), layer)]
+    samples = [add_labels(config, {name: t.to(device) for name, t in s.items()})
+               for s in load_layer_samples(shard_paths(config, "train"), layer)]
     steps_per_epoch = len(samples)
     total_steps = config.epochs * steps_per_epoch
     torch.manual_seed(config.seed * 1_000_003 + layer)
-    module = LayerAdapter(adapter_config(config, layout))
+    module = LayerAdapter(adapter_config(config, layout)).to(device)  # initialised on the CPU: same on every device
     optimizer = torch.optim.Adam(module.parameters(), lr=config.learning_rate)
     step, history = 0, []
     state = load_checkpoint(ckpt_path)
@@ -213,11 +215,11 @@ def fit_layer(config: TrainConfig, layout: Dict, layer: int, resume: bool, progr
             progress.set_postfix(layer=layer, loss=f"{history[-1]:.4f}")
         if step % config.checkpoint_every == 0 or step == total_steps or (step_budget is not None and step_budget[0] <= 0):
             save_checkpoint(ckpt_path, {"module": module.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "step": step, "history": history})
+                                        "step": step, "history": history})  # load_checkpoint maps to the CPU
         if step % steps_per_epoch == 0:
             recent = history[-steps_per_epoch:]
             log.info("fit: layer %d epoch %d mean loss %.5f", layer, step // steps_per_epoch, sum(recent) / len(recent))
-    tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
+    tensors = {name: t.detach().cpu().contiguous() for name, t in module.state_dict().items()}
     atomic_write(final_path, lambda p: save_file(tensors, p))
     epoch_means = [sum(history[i:i + steps_per_epoch]) / steps_per_epoch
                    for i in range(0, len(history), steps_per_epoch)]
@@ -244,7 +246,7 @@ def fit(config: TrainConfig, context: DistributedContext, resume: bool = False,
     summaries = {}
     with tqdm(total=total, desc=f"fit[rank {context.rank}]", disable=not context.is_main) as progress:
         for layer in mine:
-            summary = fit_layer(config, layout, layer, resume, progress, budget)
+            summary = fit_layer(config, layout, layer, resume, progress, budget, device=context.device)
             if summary is None:
                 log.info("fit: stopped after %d steps as asked; continue with --resume", stop_after_steps)
                 break
