@@ -22,7 +22,12 @@ Per row:
 5. ``decode loop``: the same compiled step that ``generate`` used (static cache), called back to back
    with the argmax fed back on the device, on the cache of the timed call -- the decode-loop
    benchmark's way of timing a step; ``generate / loop`` is what transformers' loop adds;
-6. ``--profile-tokens``: a profile (torch.profiler) of one more call's decode steps: host syncs per
+6. ``floor ms``: the bytes one decode step must read -- the weights but the embedding table, the K/V
+   rows it attends to (dense: every valid row; HashAttention: each query head's, or each KV group's,
+   selected rows) and every valid key's signatures -- over the copy bandwidth measured at the start
+   (a 1 GiB device-to-device copy, read + written bytes per second); ``/ floor`` = decode ms/token
+   over it;
+7. ``--profile-tokens``: a profile (torch.profiler) of one more call's decode steps: host syncs per
    token, host time in CUDA API calls, kernel time by category.
 
 Methods: ``dense`` (transformers' ``sdpa`` attention, its own compile settings: what a user runs
@@ -269,15 +274,58 @@ def profile_generate(model, ids, mask, new_tokens: int, cache: str, device) -> d
             "kernel_us_per_token_by_category": categories}
 
 
-def patch_for(model, method: dict, adapters_by_family: Dict, args):
-    import hashattention
-    from hashattention import GenerationOptions, HashAttentionConfig
+def copy_bandwidth(device) -> Optional[float]:
+    """Bytes per second a device-to-device copy moves (read + written; 1 GiB, best of 5); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) / 1e3)
+    del source, target
+    return 2 * (1 << 30) / best
+
+
+def step_read_bytes(model, method: dict, config, n: int, batch: int) -> Dict[str, int]:
+    """What one decode step must read at least: the weights (all but the embedding table, of which it
+    reads one row), the K/V rows it attends to and (HashAttention) every valid key's signatures."""
+    text = model.config
+    layers, kv_heads, heads, head_dim = (text.num_hidden_layers, text.num_key_value_heads,
+                                         text.num_attention_heads, text.head_dim)
+    element = next(model.parameters()).element_size()
+    embedding = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - embedding.numel() * element
+    if method["dense"]:
+        return {"weights": weights, "kv": 2 * layers * batch * kv_heads * n * head_dim * element, "signatures": 0}
+    readers = heads if method["selection"] == "query_head" else kv_heads  # each reads its own rows
+    rows = config.total_tokens(n)
+    signature_heads = heads if method["selection"] == "query_head" else kv_heads  # the adapters' key heads
+    return {"weights": weights, "kv": 2 * layers * batch * readers * rows * head_dim * element,
+            "signatures": layers * batch * signature_heads * n * 4}  # one 32-bit word per key and head
+
+
+def hash_config(method: dict, args):
+    from hashattention import HashAttentionConfig
 
     # "full": a budget above every length of the run, so HashAttention must reproduce dense's tokens.
     budget = dict(sparsity=method["sparsity"]) if method["sparsity"] else dict(
         budget_tokens=max(args.contexts) + args.new_tokens + 256)
-    config = HashAttentionConfig(**budget, sink_tokens=args.sink, local_tokens=args.local,
-                                 selection=method["selection"], sparse_prompt_tokens=args.sparse_prompt_tokens)
+    return HashAttentionConfig(**budget, sink_tokens=args.sink, local_tokens=args.local,
+                               selection=method["selection"], sparse_prompt_tokens=args.sparse_prompt_tokens)
+
+
+def patch_for(model, method: dict, adapters_by_family: Dict, args):
+    import hashattention
+    from hashattention import GenerationOptions
+
+    config = hash_config(method, args)
     options = GenerationOptions() if method["library_options"] else GenerationOptions(
         compile_options=False, cache_bucket_tokens=0, defer_stop_check=False)
     family = "query" if method["selection"] == "query_head" else "kv"
@@ -293,11 +341,16 @@ def release(model, device):
     gc.collect()
 
 
-def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: str, name: str) -> dict:
+def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: str, name: str,
+            bandwidth: Optional[float] = None) -> dict:
     from hashattention import unpatch
 
     method = parse_method(name)
     row = {"n": n, "B": batch, "cache": cache, "method": name}
+    reads = step_read_bytes(model, method, None if method["dense"] else hash_config(method, args), n, batch)
+    row["read_bytes"] = reads
+    if bandwidth:
+        row["floor_ms"] = 1e3 * sum(reads.values()) / bandwidth
     g = torch.Generator(device="cpu").manual_seed(args.seed + n + batch)
     ids = torch.randint(3, model.config.vocab_size, (batch, n), generator=g).to(device)
     mask = torch.ones_like(ids)
@@ -327,6 +380,8 @@ def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: 
         steps = len(marks) - 1 - args.skip_tokens
         row["decode_ms_per_token"] = 1e3 * (marks[-1] - marks[args.skip_tokens]) / steps
         row["tokens_per_s"] = batch * 1e3 / row["decode_ms_per_token"]
+        if row.get("floor_ms"):
+            row["over_floor"] = row["decode_ms_per_token"] / row["floor_ms"]
         row["tokens"] = out[:, n:].tolist()
         if args.recompile_check:
             # More new tokens and a shorter prompt, same bucket: must reuse the compiled step.
@@ -370,22 +425,24 @@ def markdown(record: dict) -> str:
         "tokens/s = B / decode time per token; peak = most GPU memory allocated in the call; recompiles = dynamo "
         "compiles after the first call (with --recompile-check also over a call with 128 more new tokens and a prompt "
         "64 tokens shorter); "
-        "loop = the same compiled step called back to back (the decode-loop benchmark's timing); "
+        "loop = the same compiled step called back to back (the decode-loop benchmark's timing); floor = bytes a "
+        "step must read (weights, attended K/V rows, signatures) over the measured copy bandwidth ("
+        + fmt(meta.get("copy_bandwidth_gb_per_s"), ".0f") + " GB/s); "
         "windows " + f"{meta['sink']} + {meta['local']}, last {meta['sparse_prompt_tokens']} prompt tokens sparse.",
         "- methods: `dense` = transformers' sdpa attention with its own compile settings; `hash-<selection>-<s>` = "
         "`hashattention.patch` with default `GenerationOptions`; `@transformers` = patched, generate as "
         "transformers sets it up.",
         "",
-        "| n | B | cache | method | decode ms/token | tokens/s | vs dense | loop ms/step | generate / loop | TTFT s | "
-        "TTFT vs dense | peak GB | compile s | recompiles | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| n | B | cache | method | decode ms/token | tokens/s | vs dense | loop ms/step | generate / loop | "
+        "floor ms | / floor | TTFT s | TTFT vs dense | peak GB | compile s | recompiles | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     dense = {(r["n"], r["B"], r["cache"]): r for r in record["rows"] if r["method"] == "dense" and "skipped" not in r}
     for r in record["rows"]:
         base = dense.get((r["n"], r["B"], r["cache"]))
         if "skipped" in r:
             lines.append(f"| {human_n(r['n'])} | {r['B']} | {r['cache']} | {r['method']} | - | - | - | - | - | - | - | "
-                         f"- | - | - | skipped: {r['skipped']} |")
+                         f"- | - | - | - | - | skipped: {r['skipped']} |")
             continue
         speed = (f"{base['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x"
                  if base and r is not base else "-")
@@ -397,7 +454,8 @@ def markdown(record: dict) -> str:
         lines.append(
             f"| {human_n(r['n'])} | {r['B']} | {r['cache']} | {r['method']} | {r['decode_ms_per_token']:.2f} | "
             f"{r['tokens_per_s']:.1f} | {speed} | {fmt(r.get('loop_ms_per_step'), '.2f')} | "
-            f"{fmt(r.get('generate_over_loop'), '.3f')} | {r['ttft_s']:.3f} | {ttft} | {fmt(r.get('peak_gb'), '.1f')} | "
+            f"{fmt(r.get('generate_over_loop'), '.3f')} | {fmt(r.get('floor_ms'), '.2f')} | "
+            f"{fmt(r.get('over_floor'), '.2f')} | {r['ttft_s']:.3f} | {ttft} | {fmt(r.get('peak_gb'), '.1f')} | "
             f"{fmt(r.get('compile_s'), '.1f')} | {r['recompiles']} | {'; '.join(notes)} |")
     return "\n".join(lines) + "\n"
 
@@ -426,6 +484,8 @@ def main(argv=None) -> dict:
     meta = {**common.run_metadata(common.command_line("benchmarks.generate", argv), device),
             "model": "tiny Llama" if args.tiny else "Llama-3.1-8B shape", "dtype": str(dtype).replace("torch.", ""),
             "sink": args.sink, "local": args.local, "sparse_prompt_tokens": args.sparse_prompt_tokens}
+    bandwidth = copy_bandwidth(device)
+    meta["copy_bandwidth_gb_per_s"] = bandwidth / 1e9 if bandwidth else None
     record = {"meta": meta, "new_tokens": args.new_tokens, "skip_tokens": args.skip_tokens, "rows": []}
     if args.merge and os.path.exists(json_path):
         with open(json_path) as f:
@@ -439,7 +499,7 @@ def main(argv=None) -> dict:
                         row = {"n": n, "B": batch, "cache": cache, "method": name, "skipped": "time budget"}
                     else:
                         print(f"n={n} B={batch} cache={cache} {name}", flush=True)
-                        row = run_row(model, adapters, args, device, n, batch, cache, name)
+                        row = run_row(model, adapters, args, device, n, batch, cache, name, bandwidth)
                         print("   ", {k: v for k, v in row.items() if k not in ("tokens", "profile")}, flush=True)
                     record["rows"] = [r for r in record["rows"] if key(r) != key(row)] + [row]
                     common.write_results(md_path, json_path, markdown(record), record)
