@@ -17,8 +17,9 @@ Per row:
    ``--skip-tokens`` (CUDA-graph re-recording for the new cache happens there); tokens/s = B / that;
 3. ``peak GB``: the most GPU memory allocated during the timed call;
 4. ``recompiles``: how often dynamo compiled after the first call, over the timed call and (with
-   ``--recompile-check``) one more call with 128 more new tokens and a prompt 64 tokens shorter (the
-   same cache bucket);
+   ``--recompile-check``, HashAttention rows) one more call with 128 more new tokens and a prompt 64
+   tokens shorter (the same cache bucket); ``cudagraph skips``: inductor's count of graphs run without
+   CUDA graphs, since the start of the process;
 5. ``decode loop``: the same compiled step that ``generate`` used (static cache), called back to back
    with the argmax fed back on the device, on the cache of the timed call -- the decode-loop
    benchmark's way of timing a step; ``generate / loop`` is what transformers' loop adds;
@@ -163,10 +164,11 @@ class CacheCapture:
 
     def __init__(self):
         self.decode_kwargs: Optional[Dict] = None
+        self.active = False
 
     def __call__(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
-        if ids is not None and ids.shape[-1] == 1 and kwargs.get("past_key_values") is not None:
+        if self.active and ids is not None and ids.shape[-1] == 1 and kwargs.get("past_key_values") is not None:
             self.decode_kwargs = dict(kwargs)
         return None
 
@@ -175,6 +177,12 @@ def compile_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))
+
+
+def cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
 def generate_once(model, ids, mask, new_tokens: int, cache: str, clock: Optional[TokenClock]):
@@ -368,10 +376,12 @@ def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         clock.start()
+        capture.active = True
         t0 = time.perf_counter()
         out = generate_once(model, ids, mask, args.new_tokens, cache, clock)
         sync(device)
         wall_s = time.perf_counter() - t0
+        capture.active = False
         marks = clock.seconds_since_start()
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         row["compile_s"] = max(0.0, first_s - wall_s) if cache == "static" else None
@@ -383,16 +393,19 @@ def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: 
         if row.get("floor_ms"):
             row["over_floor"] = row["decode_ms_per_token"] / row["floor_ms"]
         row["tokens"] = out[:, n:].tolist()
-        if args.recompile_check:
+        del out
+        if cache == "static":
+            loop_ms = time_decode_loop(model, capture, args.loop_steps, device)
+            row["loop_ms_per_step"] = loop_ms
+            row["generate_over_loop"] = row["decode_ms_per_token"] / loop_ms if loop_ms else None
+        capture.decode_kwargs = None  # its cache: freed before the next call allocates one (dense)
+        if args.recompile_check and not method["dense"]:
             # More new tokens and a shorter prompt, same bucket: must reuse the compiled step.
             shorter = max(1, n - 64)
             generate_once(model, ids[:, :shorter], mask[:, :shorter], args.new_tokens + 128, cache, None)
             sync(device)
         row["recompiles"] = compile_count() - compiles_after_first
-        if cache == "static":
-            loop_ms = time_decode_loop(model, capture, args.loop_steps, device)
-            row["loop_ms_per_step"] = loop_ms
-            row["generate_over_loop"] = row["decode_ms_per_token"] / loop_ms if loop_ms else None
+        row["cudagraph_skips"] = cudagraph_skips()
         if args.profile_tokens:
             row["profile"] = profile_generate(model, ids, mask, args.profile_tokens, cache, device)
     except torch.cuda.OutOfMemoryError as error:
@@ -448,6 +461,8 @@ def markdown(record: dict) -> str:
                  if base and r is not base else "-")
         ttft = f"{r['ttft_s'] / base['ttft_s']:.3f}" if base and r is not base else "-"
         notes = []
+        if r.get("cudagraph_skips"):
+            notes.append(f"CUDA graphs skipped {r['cudagraph_skips']}x in the process so far")
         if r.get("profile"):
             syncs = r["profile"]["host_sync_calls_per_token"]
             notes.append("host syncs/token: " + (", ".join(f"{k} {v:.2f}" for k, v in syncs.items()) or "none"))

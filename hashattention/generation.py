@@ -12,11 +12,15 @@ loop of ``python -m benchmarks.decode_loop``, and :func:`hashattention.unpatch` 
   Llama-3.1-8B in bf16) and ~25 s more compile time; ``GenerationOptions(merge_projections=False)``
   keeps the memory, ``compile_options=False`` leaves transformers' setting alone. A
   ``compile_config`` passed to ``generate`` wins over the patch's.
-* **cache sizes in buckets**: transformers sizes a fresh static cache to the prompt plus
-  ``max_new_tokens`` (never smaller than an earlier call's), and every new size compiles the decode
-  step anew (38-50 s for Llama-3.1-8B). The patch rounds the size up to a multiple of
-  ``cache_bucket_tokens`` (default 4096): calls whose prompt plus ``max_new_tokens`` stay within one
-  bucket reuse the compiled step.
+* **one static cache, sized in buckets**: transformers creates a fresh static cache for every call,
+  sized to the prompt plus ``max_new_tokens`` (never smaller than an earlier call's). Every new size
+  compiles the decode step anew (38-50 s for Llama-3.1-8B), and every new cache moves the tensors
+  the step's CUDA graphs were recorded on (K/V at fixed addresses), so each call records its graphs
+  again and holds a second cache while the first is released. The patch rounds the size up to a
+  multiple of ``cache_bucket_tokens`` (default 4096) and keeps the cache between calls: a call of the
+  same batch size within the bucket resets and reuses it (the decode step's graphs replay as they
+  are); a larger call replaces it. ``unpatch`` drops it. A cache returned by ``generate``
+  (``return_dict_in_generate=True``) is that same object, reset by the next call.
 * **deferred stop checks**: after every token transformers reads ``unfinished_sequences.max() == 0``
   on the host, which waits for the GPU to finish the step before the next one is issued, so the
   host's share of each step (the loop's Python, logits processing, the graph launch) adds to the GPU
@@ -52,7 +56,8 @@ class GenerationOptions:
         merge_projections: merged q | k | v and gate | up GEMMs (needs ``freeze``); costs those
             weights' bytes once more.
         cache_bucket_tokens: round static caches that ``generate`` creates up to a multiple of this
-            many slots (0: transformers' sizes).
+            many slots, and reuse the cache across calls that fit it (0: transformers' sizes and a
+            new cache per call).
         defer_stop_check: read the stop condition one step late on CUDA (no host wait per token).
     """
 
@@ -93,11 +98,12 @@ def bucketed_length(length: int, bucket: int) -> int:
 
 @dataclasses.dataclass
 class GenerationState:
-    """What :func:`apply` changed on a model, for :func:`restore`."""
+    """What :func:`apply` changed on a model, for :func:`restore`, and the static cache kept between calls."""
 
     compile_config: Any
     had_compile_config: bool
     bucketed_static_cache: bool
+    static_cache: Any = None
 
 
 def apply(model, options: GenerationOptions) -> GenerationState:
@@ -111,7 +117,8 @@ def apply(model, options: GenerationOptions) -> GenerationState:
     _drop_compiled_call(model)  # compiled before the patch: it holds the unpatched attention
     if options.cache_bucket_tokens and hasattr(type(model), "_prepare_static_cache"):
         prepare = type(model)._prepare_static_cache.__get__(model)
-        model._prepare_static_cache = functools.partial(_prepare_bucketed_cache, prepare, options.cache_bucket_tokens)
+        model._prepare_static_cache = functools.partial(_prepare_bucketed_cache, model, state, prepare,
+                                                        options.cache_bucket_tokens)
         state.bucketed_static_cache = True
     if options.defer_stop_check:
         install_deferred_stop_check()
@@ -129,6 +136,7 @@ def restore(model, state: GenerationState) -> None:
     _drop_compiled_call(model)  # compiled while patched: it holds HashAttention's attention
     if state.bucketed_static_cache:
         model.__dict__.pop("_prepare_static_cache", None)
+    state.static_cache = None
 
 
 def _drop_compiled_call(model) -> None:
@@ -136,13 +144,29 @@ def _drop_compiled_call(model) -> None:
         model.__dict__.pop(name, None)
 
 
-def _prepare_bucketed_cache(prepare, bucket: int, *args, **kwargs):
-    """transformers' ``_prepare_static_cache`` with ``max_cache_len`` rounded up to the bucket."""
-    if "max_cache_len" in kwargs:
-        kwargs["max_cache_len"] = bucketed_length(kwargs["max_cache_len"], bucket)
-    elif len(args) >= 3:  # (cache_implementation, batch_size, max_cache_len, ...)
-        args = (*args[:2], bucketed_length(args[2], bucket), *args[3:])
-    return prepare(*args, **kwargs)
+def _prepare_bucketed_cache(model, state: GenerationState, prepare, bucket: int, cache_implementation: str,
+                            batch_size: int, max_cache_len: int, *args, **kwargs):
+    """transformers' ``_prepare_static_cache(cache_implementation, batch_size, max_cache_len, ...)`` with the
+    length rounded up to the bucket, returning the previous call's cache (reset) when it has that length
+    and batch size."""
+    length = bucketed_length(max(max_cache_len, getattr(model, "_previous_max_cache_length", -1)), bucket)
+    previous = state.static_cache
+    if previous is not None and cache_implementation == "static" and _reusable(previous, batch_size, length):
+        previous.reset()
+        return previous
+    state.static_cache = None  # released before the new one is allocated
+    cache = prepare(cache_implementation, batch_size, length, *args, **kwargs)
+    state.static_cache = cache if cache_implementation == "static" else None
+    return cache
+
+
+def _reusable(cache, batch_size: int, length: int) -> bool:
+    """Whether a cache of an earlier call serves one of ``batch_size`` sequences and ``length`` slots."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return False
+    return all(getattr(layer, "max_cache_len", None) == length
+               and (not layer.is_initialized or layer.batch_size == batch_size) for layer in layers)
 
 
 def mark_cache(cache, defer_stop_check: bool) -> None:

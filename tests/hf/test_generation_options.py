@@ -67,16 +67,31 @@ def test_bucketed_length(length, bucket, expected):
     assert generation.bucketed_length(length, bucket) == expected
 
 
-def test_static_cache_is_sized_in_buckets():
+def test_static_cache_is_sized_in_buckets_and_reused():
     model = tiny_model()
     with hashattention.patch(model, tiny_adapters(model), CONFIG,
                              generation_options=GenerationOptions(compile_options=False, cache_bucket_tokens=64)):
-        ids = random_ids(1, 20, 0)
-        out = generate(model, ids, 5, return_dict_in_generate=True)
-        layer = out.past_key_values.layers[0]
+        first = generate(model, random_ids(1, 20, 0), 5, return_dict_in_generate=True).past_key_values
+        layer = first.layers[0]
         assert isinstance(layer, SignatureStaticLayer) and layer.max_cache_len == 64
-        out = generate(model, random_ids(1, 70, 1), 5, return_dict_in_generate=True)
-        assert out.past_key_values.layers[0].max_cache_len == 128
+        again = generate(model, random_ids(1, 30, 1), 9, return_dict_in_generate=True).past_key_values
+        assert again is first and int(layer.cumulative_length) == 30 + 9 - 1
+        larger = generate(model, random_ids(1, 70, 1), 5, return_dict_in_generate=True).past_key_values
+        assert larger is not first and larger.layers[0].max_cache_len == 128
+        other_batch = generate(model, random_ids(2, 20, 1), 5, return_dict_in_generate=True).past_key_values
+        assert other_batch is not larger and other_batch.layers[0].max_cache_len == 128
+
+
+def test_a_reused_cache_keeps_nothing_of_the_previous_call():
+    """Tokens of a call that reuses the cache equal those of the same call on a fresh patch."""
+    model = tiny_model()
+    adapters = tiny_adapters(model)
+    prompts = [random_ids(2, 40, 3), random_ids(2, 25, 4)]
+    with hashattention.patch(model, adapters, CONFIG, generation_options=GenerationOptions(compile_options=False)):
+        reused = [generate(model, ids, 10) for ids in prompts]
+    for ids, tokens in zip(prompts, reused):
+        with hashattention.patch(model, adapters, CONFIG, generation_options=OFF):
+            assert torch.equal(generate(model, ids, 10), tokens)
 
 
 @pytest.mark.parametrize("options", [
