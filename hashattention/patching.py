@@ -19,6 +19,10 @@ It also sets up ``model.generate`` for speed (:mod:`hashattention.generation`: t
 compile settings, static caches in size buckets, stop checks that never wait for the GPU) and
 ``unpatch`` restores the model's generation settings.
 
+It also registers ``"paged|hashattention"`` (:mod:`hashattention.paged_attention`), which
+transformers' continuous batching (``generate_batch``, ``transformers serve``) switches the model
+to; ``init_continuous_batching`` checks the patch first (:mod:`hashattention.continuous_batching`).
+
 On a model sharded by transformers' tensor parallelism (``tp_plan="auto"`` under torchrun) each
 process computes some of the heads; it runs the adapters of those heads
 (:mod:`hashattention.tensor_parallel`).
