@@ -19,6 +19,10 @@ It also sets up ``model.generate`` for speed (:mod:`hashattention.generation`: t
 compile settings, static caches in size buckets, stop checks that never wait for the GPU) and
 ``unpatch`` restores the model's generation settings.
 
+It also registers ``"paged|hashattention"`` (:mod:`hashattention.paged_attention`), which
+transformers' continuous batching (``generate_batch``, ``transformers serve``) switches the model
+to; ``init_continuous_batching`` checks the patch first (:mod:`hashattention.continuous_batching`).
+
 On a model sharded by transformers' tensor parallelism (``tp_plan="auto"`` under torchrun) each
 process computes some of the heads; it runs the adapters of those heads
 (:mod:`hashattention.tensor_parallel`).
@@ -34,6 +38,7 @@ import torch
 
 from .adapters import HashAdapters
 from .attention import ATTENTION_NAME, LayerRuntime, register
+from . import continuous_batching, paged_attention
 from .cache import SIGNATURE_LAYERS, ensure_signature_layer
 from .config import HashAttentionConfig, validate_for_model
 from .generation import GenerationOptions, GenerationState
@@ -229,11 +234,13 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
             "with the new adapters or config"
         )
     shard = _check_model(model, adapters, config)
+    recheck = functools.partial(_check_model, model, adapters, config)  # at continuous batching's start
 
     if shard is not None:  # each rank runs the adapters of its own heads
         adapters = adapters_for_shard(adapters, shard)
 
     register()
+    paged_attention.register()
     adapters.to(device=model.device)
     local = adapters.config  # the heads this process computes (all of them without tensor parallelism)
     selection_heads = local.num_query_heads if config.selection == "query_head" else local.num_kv_heads
@@ -256,6 +263,7 @@ def patch(model, adapters: HashAdapters, config: Optional[HashAttentionConfig] =
         hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True))
     handle = PatchHandle(model, adapters, config, previous, hooks, shard, generation_options,
                          generation.apply(model, generation_options))
+    continuous_batching.install(model, recheck, tensor_parallel=shard is not None)
     setattr(model, _STATE_ATTRIBUTE, handle)
     return handle
 
@@ -267,6 +275,7 @@ def unpatch(model) -> None:
         raise ValueError(f"{type(model).__name__} is not patched with HashAttention")
     for hook in handle.hooks:
         hook.remove()
+    continuous_batching.uninstall(model)
     model.set_attn_implementation(handle.previous_attn_implementation)
     if handle.generation_state is not None:
         generation.restore(model, handle.generation_state)
