@@ -43,6 +43,15 @@ rows to an existing file (a row with the same key replaced).
     python -m benchmarks.generate --contexts 8192,32768,131072 --batches 1
     python -m benchmarks.generate --tiny --device cpu --contexts 64 --batches 1 --caches dynamic \\
         --methods dense,hash-query_head-4 --new-tokens 6 --skip-tokens 1 --out /tmp/generate
+
+Tensor parallel (``--tensor-parallel``, launched by torchrun; ``benchmarks.generate_parallel`` builds
+each rank's shards): every rank runs the same calls on its shard, rank 0 alone writes the results
+(its timings and its peak memory; ``tp`` = the number of ranks).
+
+    torchrun --nproc_per_node 2 -m benchmarks.generate --tensor-parallel --contexts 131072 --batches 1,4 \\
+        --methods dense,hash-query_head-32
+    torchrun --nproc_per_node 8 -m benchmarks.generate --tensor-parallel --model llama-70b-shape \\
+        --contexts 32768,131072 --batches 1,4
 """
 
 from __future__ import annotations
@@ -58,7 +67,8 @@ from typing import Dict, List, Optional
 import torch
 
 from benchmarks import common
-from benchmarks.decode_loop import build_adapters, build_model, int_list, model_config
+from benchmarks import generate_parallel as parallel
+from benchmarks.decode_loop import build_adapters, build_model, int_list
 from benchmarks.decode_loop_profile import SYNC_CALLS, is_cuda_api_call, kernel_category
 
 BENCHMARK = "generate"
@@ -80,10 +90,22 @@ def parse_args(argv=None):
                         help="one more call per row, with a prompt 64 tokens shorter and 128 more new tokens (the same "
                              "cache bucket): counts dynamo compiles")
     parser.add_argument("--sink", type=int, default=128)
-    parser.add_argument("--local", type=int, default=128)
+    # --local-tokens: torchrun's own parser rejects --local, in the script's arguments too, as an ambiguous
+    # abbreviation of its --local-addr / --local-ranks-filter.
+    parser.add_argument("--local", "--local-tokens", dest="local", type=int, default=128,
+                        help="local window (under torchrun: --local-tokens)")
     parser.add_argument("--sparse-prompt-tokens", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; tiny: 2)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's; tiny: 2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (CPU smoke tests)")
+    parser.add_argument("--model", choices=tuple(parallel.MODEL_SHAPES), default=None,
+                        help=f"the decoder's shape, random weights (default {parallel.DEFAULT_MODEL})")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="shard the model over the torchrun processes (transformers' tp_plan='auto'); rank 0 "
+                             "writes the results")
+    parser.add_argument("--tp-weights", choices=parallel.WEIGHTS, default=None,
+                        help="with --tensor-parallel: seeded = the single-process run's weights, built whole on each "
+                             "rank's host and sliced (default with --tiny); sharded = each rank initialises only its "
+                             "shards on its device (default otherwise)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -104,6 +126,12 @@ def parse_args(argv=None):
             parser.error(str(error))
     if args.skip_tokens < 1 or args.new_tokens < args.skip_tokens + 2:
         parser.error("--skip-tokens must be >= 1 and --new-tokens >= --skip-tokens + 2")
+    if args.tiny and args.model:
+        parser.error("--tiny and --model: the tiny model has its own shape")
+    args.model = args.model or parallel.DEFAULT_MODEL
+    if args.tp_weights and not args.tensor_parallel:
+        parser.error("--tp-weights needs --tensor-parallel")
+    args.tp_weights = args.tp_weights or ("seeded" if args.tiny else "sharded")
     return args
 
 
@@ -201,20 +229,33 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_decode_loop(model, capture: CacheCapture, steps: int, device) -> Optional[float]:
-    """ms per step of the compiled step ``generate`` used, called back to back on its last cache."""
-    compiled = getattr(model, "_compiled_call", None)
+def decode_loop_unavailable(model, capture: CacheCapture, steps: int) -> Optional[str]:
+    """Why :func:`time_decode_loop` cannot time this row (None: it can). Under tensor parallelism every
+    rank reaches the same answer (the same shapes and positions), so all of them time it or none."""
+    if getattr(model, "_compiled_call", None) is None:
+        return "generate compiled no decode step (transformers compiles on CUDA only)"
     kwargs = capture.decode_kwargs
-    if compiled is None or kwargs is None:
-        return None
-    cache = kwargs["past_key_values"]
-    layers = getattr(cache, "layers", [])
+    if kwargs is None:
+        return "no single-token forward was seen"
+    layers = getattr(kwargs["past_key_values"], "layers", [])
     if not layers or not hasattr(layers[0], "cumulative_length"):
+        return "the cache cannot be rewound (no cumulative_length)"
+    if int(kwargs["position_ids"][0, -1]) - steps - 2 < 1:
+        return f"fewer cached positions than --loop-steps {steps} + 2"
+    return None
+
+
+def time_decode_loop(model, capture: CacheCapture, steps: int, device) -> Optional[float]:
+    """ms per step of the compiled step ``generate`` used, called back to back on its last cache (None:
+    see :func:`decode_loop_unavailable`). Under tensor parallelism every rank calls the same step the
+    same number of times (the argmax of the gathered logits is equal on every rank), so the
+    collectives inside the step pair up."""
+    if decode_loop_unavailable(model, capture, steps):
         return None
-    position = int(kwargs["position_ids"][0, -1])
-    start = position - steps - 2  # rewind so that the steps fit the cache
-    if start < 1:
-        return None
+    compiled = model._compiled_call
+    kwargs = capture.decode_kwargs
+    layers = kwargs["past_key_values"].layers
+    start = int(kwargs["position_ids"][0, -1]) - steps - 2  # rewind so that the steps fit the cache
     mask = kwargs.get("attention_mask")
     slots = torch.arange(mask.shape[-1], device=device) if mask is not None else None
     token = kwargs["input_ids"]
@@ -301,15 +342,16 @@ def copy_bandwidth(device) -> Optional[float]:
     return 2 * (1 << 30) / best
 
 
-def step_read_bytes(model, method: dict, config, n: int, batch: int) -> Dict[str, int]:
+def step_read_bytes(model, method: dict, config, n: int, batch: int, tp: int = 1) -> Dict[str, int]:
     """What one decode step must read at least: the weights (all but the embedding table, of which it
-    reads one row), the K/V rows it attends to and (HashAttention) every valid key's signatures."""
+    reads one row), the K/V rows it attends to and (HashAttention) every valid key's signatures.
+    Tensor parallel (``tp`` ranks): what one rank reads, i.e. its weight shards and its heads' rows."""
     text = model.config
-    layers, kv_heads, heads, head_dim = (text.num_hidden_layers, text.num_key_value_heads,
-                                         text.num_attention_heads, text.head_dim)
+    layers, kv_heads, heads, head_dim = (text.num_hidden_layers, text.num_key_value_heads // tp,
+                                         text.num_attention_heads // tp, text.head_dim)
     element = next(model.parameters()).element_size()
     embedding = model.get_input_embeddings().weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - embedding.numel() * element
+    weights = sum(parallel.local_bytes(p) for p in model.parameters()) - parallel.local_bytes(embedding)
     if method["dense"]:
         return {"weights": weights, "kv": 2 * layers * batch * kv_heads * n * head_dim * element, "signatures": 0}
     readers = heads if method["selection"] == "query_head" else kv_heads  # each reads its own rows
@@ -354,8 +396,9 @@ def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: 
     from hashattention import unpatch
 
     method = parse_method(name)
-    row = {"n": n, "B": batch, "cache": cache, "method": name}
-    reads = step_read_bytes(model, method, None if method["dense"] else hash_config(method, args), n, batch)
+    tp = parallel.rank_and_world()[1] if args.tensor_parallel else 1
+    row = {"n": n, "B": batch, "tp": tp, "cache": cache, "method": name}
+    reads = step_read_bytes(model, method, None if method["dense"] else hash_config(method, args), n, batch, tp)
     row["read_bytes"] = reads
     if bandwidth:
         row["floor_ms"] = 1e3 * sum(reads.values()) / bandwidth
@@ -398,6 +441,8 @@ def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: 
             loop_ms = time_decode_loop(model, capture, args.loop_steps, device)
             row["loop_ms_per_step"] = loop_ms
             row["generate_over_loop"] = row["decode_ms_per_token"] / loop_ms if loop_ms else None
+            if loop_ms is None:
+                row["loop_skipped"] = decode_loop_unavailable(model, capture, args.loop_steps)
         capture.decode_kwargs = None  # its cache: freed before the next call allocates one (dense)
         if args.recompile_check and not method["dense"]:
             # More new tokens and a shorter prompt, same bucket: must reuse the compiled step.
@@ -429,8 +474,16 @@ def fmt(value, spec: str) -> str:
 
 def markdown(record: dict) -> str:
     meta = record["meta"]
-    lines = [f"# `model.generate` on a patched model: {meta['model']} (random {meta['dtype']} weights)", ""]
+    tp = meta.get("tensor_parallel", 1)
+    sharded = f", tensor parallel over {tp} processes" if tp > 1 else ""
+    lines = [f"# `model.generate` on a patched model: {meta['model']} (random {meta['dtype']} weights{sharded})", ""]
     lines += common.header_lines(meta)
+    if tp > 1:
+        lines.append(f"- tensor parallel: {tp} ranks (transformers' tp_plan='auto', {meta['tp_weights']} weights); every "
+                     "rank runs the same calls; timings, peak GB and floor bytes are rank 0's (its shard of the "
+                     "weights, its heads' K/V and signatures); rank 0 holds "
+                     f"{meta['rank_parameter_bytes'] / 1e9:.3g} of the model's {meta['parameter_bytes'] / 1e9:.3g} GB "
+                     "of weights")
     lines += [
         "- greedy, prompt of n random tokens, `max_new_tokens` = " + str(record["new_tokens"]) +
         f"; decode ms/token over tokens {record['skip_tokens'] + 1}..{record['new_tokens'] - 1} of one call (CUDA "
@@ -446,28 +499,32 @@ def markdown(record: dict) -> str:
         "`hashattention.patch` with default `GenerationOptions`; `@transformers` = patched, generate as "
         "transformers sets it up.",
         "",
-        "| n | B | cache | method | decode ms/token | tokens/s | vs dense | loop ms/step | generate / loop | "
+        "| n | B | tp | cache | method | decode ms/token | tokens/s | vs dense | loop ms/step | generate / loop | "
         "floor ms | / floor | TTFT s | TTFT vs dense | peak GB | compile s | recompiles | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    dense = {(r["n"], r["B"], r["cache"]): r for r in record["rows"] if r["method"] == "dense" and "skipped" not in r}
+    dense = {(r["n"], r["B"], r.get("tp", 1), r["cache"]): r for r in record["rows"]
+             if r["method"] == "dense" and "skipped" not in r}
     for r in record["rows"]:
-        base = dense.get((r["n"], r["B"], r["cache"]))
+        base = dense.get((r["n"], r["B"], r.get("tp", 1), r["cache"]))
         if "skipped" in r:
-            lines.append(f"| {human_n(r['n'])} | {r['B']} | {r['cache']} | {r['method']} | - | - | - | - | - | - | - | "
-                         f"- | - | - | - | - | skipped: {r['skipped']} |")
+            lines.append(f"| {human_n(r['n'])} | {r['B']} | {r.get('tp', 1)} | {r['cache']} | {r['method']} | - | - | "
+                         f"- | - | - | - | - | - | - | - | - | - | skipped: {r['skipped']} |")
             continue
         speed = (f"{base['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x"
                  if base and r is not base else "-")
         ttft = f"{r['ttft_s'] / base['ttft_s']:.3f}" if base and r is not base else "-"
         notes = []
+        if r.get("loop_skipped") and r["cache"] == "static":
+            notes.append(f"loop not timed: {r['loop_skipped']}")
         if r.get("cudagraph_skips"):
             notes.append(f"CUDA graphs skipped {r['cudagraph_skips']}x in the process so far")
         if r.get("profile"):
             syncs = r["profile"]["host_sync_calls_per_token"]
             notes.append("host syncs/token: " + (", ".join(f"{k} {v:.2f}" for k, v in syncs.items()) or "none"))
         lines.append(
-            f"| {human_n(r['n'])} | {r['B']} | {r['cache']} | {r['method']} | {r['decode_ms_per_token']:.2f} | "
+            f"| {human_n(r['n'])} | {r['B']} | {r.get('tp', 1)} | {r['cache']} | {r['method']} | "
+            f"{r['decode_ms_per_token']:.2f} | "
             f"{r['tokens_per_s']:.1f} | {speed} | {fmt(r.get('loop_ms_per_step'), '.2f')} | "
             f"{fmt(r.get('generate_over_loop'), '.3f')} | {fmt(r.get('floor_ms'), '.2f')} | "
             f"{fmt(r.get('over_floor'), '.2f')} | {r['ttft_s']:.3f} | {ttft} | {fmt(r.get('peak_gb'), '.1f')} | "
@@ -482,42 +539,77 @@ def render(json_path: str) -> dict:
     return record
 
 
+def build(args, config):
+    """(model, device, dtype, adapters by family) of one process, or of this rank under --tensor-parallel."""
+    families = {("query" if parse_method(m).get("selection") == "query_head" else "kv")
+                for m in args.method_list if not parse_method(m)["dense"]}
+    if args.tensor_parallel:
+        parallel.check_launch(config, args.device)
+        accelerator = torch._C._get_accelerator().type
+        dtype = getattr(torch, args.dtype or ("bfloat16" if accelerator == "cuda" else "float32"))
+        model = parallel.build_model(config, dtype, args.tp_weights, args.seed)
+        adapters = {family: parallel.rank_adapters(model, family, dtype, args.seed + 1) for family in families}
+        return model, model.device, dtype, adapters
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # Seeded: a --tensor-parallel run with seeded weights slices these weights and (on the CPU) these adapters.
+    torch.manual_seed(args.seed)
+    model = build_model(config, device, dtype)
+    adapters = {}
+    for family in sorted(families):
+        torch.manual_seed(args.seed + 1)
+        adapters[family] = build_adapters(config, family, device, dtype)
+    return model, device, dtype, adapters
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.render:
         return render(args.render)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     started = time.perf_counter()
-    config = model_config(args, max(args.contexts) + args.new_tokens)
-    model = build_model(config, device, dtype)
+    config = parallel.model_config(args, max(args.contexts) + args.new_tokens)
+    model, device, dtype, adapters = build(args, config)
     model.generation_config.pad_token_id = 0
-    families = {("query" if parse_method(m).get("selection") == "query_head" else "kv")
-                for m in args.method_list if not parse_method(m)["dense"]}
-    adapters = {family: build_adapters(config, family, device, dtype) for family in families}
+    rank, world = parallel.rank_and_world() if args.tensor_parallel else (0, 1)
     md_path, json_path = common.results_paths(BENCHMARK, common.device_kind(device), args.out)
-    meta = {**common.run_metadata(common.command_line("benchmarks.generate", argv), device),
-            "model": "tiny Llama" if args.tiny else "Llama-3.1-8B shape", "dtype": str(dtype).replace("torch.", ""),
-            "sink": args.sink, "local": args.local, "sparse_prompt_tokens": args.sparse_prompt_tokens}
+    command = common.command_line("benchmarks.generate", argv)
+    if args.tensor_parallel:
+        command = command.replace("python -m", f"torchrun --nproc_per_node {world} -m", 1)
+    meta = {**common.run_metadata(command, device),
+            "model": parallel.model_label(args), "dtype": str(dtype).replace("torch.", ""),
+            "sink": args.sink, "local": args.local, "sparse_prompt_tokens": args.sparse_prompt_tokens,
+            "tensor_parallel": world, "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "rank_parameter_bytes": parallel.rank_parameter_bytes(model)}
+    if args.tensor_parallel:
+        meta["tp_weights"] = args.tp_weights
     bandwidth = copy_bandwidth(device)
     meta["copy_bandwidth_gb_per_s"] = bandwidth / 1e9 if bandwidth else None
     record = {"meta": meta, "new_tokens": args.new_tokens, "skip_tokens": args.skip_tokens, "rows": []}
     if args.merge and os.path.exists(json_path):
         with open(json_path) as f:
             record["rows"] = json.load(f)["rows"]
-    key = lambda r: (r["n"], r["B"], r["cache"], r["method"])  # noqa: E731
+    key = lambda r: (r["n"], r["B"], r.get("tp", 1), r["cache"], r["method"])  # noqa: E731
     for n in args.contexts:
         for batch in args.batches:
             for cache in args.cache_list:
                 for name in args.method_list:
-                    if time.perf_counter() - started > args.time_budget_s:
-                        row = {"n": n, "B": batch, "cache": cache, "method": name, "skipped": "time budget"}
+                    over = time.perf_counter() - started > args.time_budget_s
+                    if args.tensor_parallel:  # the ranks' clocks differ a little; all must skip or run the row
+                        over = parallel.any_rank(over, device)
+                    if over:
+                        row = {"n": n, "B": batch, "tp": world, "cache": cache, "method": name,
+                               "skipped": "time budget"}
                     else:
-                        print(f"n={n} B={batch} cache={cache} {name}", flush=True)
+                        if rank == 0:
+                            print(f"n={n} B={batch} tp={world} cache={cache} {name}", flush=True)
                         row = run_row(model, adapters, args, device, n, batch, cache, name, bandwidth)
-                        print("   ", {k: v for k, v in row.items() if k not in ("tokens", "profile")}, flush=True)
+                        if rank == 0:
+                            print("   ", {k: v for k, v in row.items() if k not in ("tokens", "profile")}, flush=True)
                     record["rows"] = [r for r in record["rows"] if key(r) != key(row)] + [row]
-                    common.write_results(md_path, json_path, markdown(record), record)
+                    if rank == 0:
+                        common.write_results(md_path, json_path, markdown(record), record)
+    if args.tensor_parallel:
+        parallel.finish()
     return record
 
 
