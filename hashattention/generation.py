@@ -37,6 +37,7 @@ import functools
 from typing import Any, Dict, Optional
 
 import torch
+from transformers.utils import is_torchdynamo_compiling
 
 from .compile_options import decode_compile_options
 from .config import checked_int
@@ -170,7 +171,13 @@ def _reusable(cache, batch_size: int, length: int) -> bool:
 
 
 def mark_cache(cache, defer_stop_check: bool) -> None:
-    """Record on a cache that the patched model using it asked for deferred stop checks."""
+    """Record on a cache that the patched model using it asked for deferred stop checks.
+
+    Only outside torch.compile: transformers decides after the prompt's forward, which runs eagerly,
+    and an attribute set inside a compiled step would be a guard that fails on the next call (a
+    recompile of a step compiled over a cache filled by other means)."""
+    if is_torchdynamo_compiling():
+        return
     if defer_stop_check and not getattr(cache, DEFER_STOP_CHECK_ATTRIBUTE, False):
         setattr(cache, DEFER_STOP_CHECK_ATTRIBUTE, True)
 
