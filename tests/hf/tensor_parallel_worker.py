@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from hashattention.config import HashAttentionConfig
 from hashattention.patching import decoder_layers, is_patched, patch
 from hashattention.tensor_parallel import head_shard, shard_adapters
 
@@ -46,10 +47,41 @@ def signature_caches(model, key_heads: str) -> list:
     return [layer.key_signatures for layer in cache.layers]
 
 
+COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "all_to_all",
+               "alltoall")
+
+
+def decode_step_collectives(model, config=None, key_heads: str = "query") -> int:
+    """Collective operations the profiler records in one decode step (after a 24-token prefill), dense when
+    ``config`` is None, else patched with it: a rank's selection must add none to transformers' own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=random_ids(1, 24, seed=6), past_key_values=cache, use_cache=True)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(input_ids=random_ids(1, 1, seed=7), past_key_values=cache, use_cache=True)
+        # Top-level events only: a collective's own nested records (gloo:..., c10d::...) would count twice.
+        names = [event.name.lower() for event in prof.events() if event.cpu_parent is None]
+        return sum(any(c in name for c in COLLECTIVES) for name in names)
+
+    if config is None:
+        return step()
+    with patch(model, adapters_for(model, key_heads), config):
+        return step()
+
+
 def main(models: str, out: str) -> None:
-    results = {"runs": {}, "signatures": {}, "errors": {}}
+    results = {"runs": {}, "signatures": {}, "errors": {}, "collectives": {}}
     for kind in KINDS:
         model = load(models, kind, tensor_parallel=True)
+        results["collectives"][kind] = {
+            "dense": decode_step_collectives(model),
+            **{f"{selection}-{key_heads}": decode_step_collectives(
+                model, HashAttentionConfig(budget_tokens=8, sink_tokens=2, local_tokens=2, selection=selection),
+                key_heads) for selection, key_heads in (("query_head", "query"), ("kv_group", "kv"))},
+        }
         for run in FULL_BUDGET_RUNS + SPARSE_RUNS:
             if run.kind == kind:
                 results["runs"][run.name] = run_patched(model, run)

@@ -102,3 +102,13 @@ def test_refusals_name_the_problem_and_leave_the_model_untouched(ranks):
         refused = errors["rowwise-q-proj"]
         assert refused["untouched"], rank
         assert "layer 0 q_proj.weight is placed (Shard(dim=1),)" in refused["message"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_patched_decode_step_adds_no_collective(ranks, kind):
+    """Selection runs on each rank's own heads: a sparse decode step issues exactly the collectives of a dense
+    one (transformers' row-parallel reductions), which the profiler does see."""
+    for rank in ranks:
+        counts = rank["collectives"][kind]
+        assert counts["dense"] > 0, counts
+        assert counts["query_head-query"] == counts["dense"] and counts["kv_group-kv"] == counts["dense"], counts
