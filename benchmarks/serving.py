@@ -35,6 +35,10 @@ Per row:
 - ``peak GB``: the most GPU memory allocated from the manager's creation to its end;
 - ``vs dense``: tokens/s over dense's in the same file (same prompt length and N).
 
+transformers decides CUDA graphs and async batching from the attention: on for flash attention, off for
+implementations it builds masks for or does not know (``paged|sdpa``, ``paged|hashattention``); rows
+record the result, and ``--cuda-graphs on|off`` forces one setting for every method.
+
 An untimed session of the same requests, with prompts cut to ``--warmup-prompt-tokens`` and 4 new
 tokens, runs first in every row (``--no-warmup`` skips it).
 
@@ -86,6 +90,9 @@ def parse_args(argv=None):
                         help="cache blocks (default: N x ceil((prompt + new tokens) / block size))")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="tokens per forward (default 8192, at most N x (prompt + new tokens))")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="ContinuousBatchingConfig.use_cuda_graph: auto = transformers' choice (on for flash "
+                             "attention only), on / off = forced for every method")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed session before each row")
     parser.add_argument("--warmup-prompt-tokens", type=int, default=512, help="prompt length of the untimed session")
     parser.add_argument("--sink", type=int, default=128)
@@ -136,8 +143,11 @@ def batching_settings(args, prompt: int, requests: int) -> dict:
     per_request = prompt + args.new_tokens
     num_blocks = args.num_blocks or requests * math.ceil(per_request / block_size)
     max_batch_tokens = args.max_batch_tokens or min(8192, requests * per_request)
-    return dict(block_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                max_requests_per_batch=requests)
+    settings = dict(block_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                    max_requests_per_batch=requests)
+    if args.cuda_graphs != "auto":
+        settings["use_cuda_graph"] = args.cuda_graphs == "on"
+    return settings
 
 
 def cache_bytes(cache) -> dict:

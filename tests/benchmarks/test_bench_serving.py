@@ -77,6 +77,8 @@ def test_cache_sizing_and_overrides():
     args = bench.parse_args(["--block-size", "64", "--num-blocks", "100", "--max-batch-tokens", "512"])
     assert bench.batching_settings(args, 1000, 2) == dict(block_size=64, num_blocks=100, max_batch_tokens=512,
                                                           max_requests_per_batch=2)
+    args = bench.parse_args(["--cuda-graphs", "off"])
+    assert bench.batching_settings(args, 100, 1)["use_cuda_graph"] is False
 
 
 def test_quantile_matches_linear_interpolation():
