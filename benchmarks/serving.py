@@ -127,7 +127,7 @@ def parse_args(argv=None):
 
 
 def parse_method(name: str) -> dict:
-    """``{"dense": bool, "selection", "sparsity" (None: full budget)}``; benchmarks.generate's names without variants."""
+    """``{"dense": bool, "selection", "sparsity" (None: full budget)}``: benchmarks.generate's names, no variants."""
     if "@" in name:
         raise ValueError(f"method {name!r}: serving has no @ variants (continuous batching ignores GenerationOptions)")
     method = parse_generate_method(name)
@@ -238,7 +238,8 @@ def timing(session: dict) -> dict:
         last = max(last, stamps[-1])
     wall = last - submitted
     return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
-            "token_latency_ms_median": 1e3 * statistics.median(gaps), "token_latency_ms_p99": 1e3 * quantile(gaps, 0.99),
+            "token_latency_ms_median": 1e3 * statistics.median(gaps),
+            "token_latency_ms_p99": 1e3 * quantile(gaps, 0.99),
             "ttft_s_median": statistics.median(ttfts), "ttft_s_max": max(ttfts)}
 
 
