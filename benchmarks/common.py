@@ -213,3 +213,11 @@ def write_results(md_path: str, json_path: str, markdown: str, record: dict) -> 
     """Replace the Markdown and JSON results files of a run."""
     write_text(json_path, json.dumps(record, indent=1))
     write_text(md_path, markdown)
+
+
+def render_markdown(json_path: str, markdown: Callable[[dict], str]) -> dict:
+    """Rewrite the Markdown beside a results JSON (``<name>.md``) from its record, measuring nothing."""
+    with open(json_path) as f:
+        record = json.load(f)
+    write_text(os.path.splitext(json_path)[0] + ".md", markdown(record))
+    return record

@@ -69,6 +69,7 @@ import torch
 from benchmarks import common
 from benchmarks import generate_parallel as parallel
 from benchmarks.decode_loop import build_adapters, build_model, int_list
+from benchmarks.decode_loop_report import fmt, human_n
 from benchmarks.decode_loop_profile import SYNC_CALLS, is_cuda_api_call, kernel_category
 
 BENCHMARK = "generate"
@@ -464,14 +465,6 @@ def run_row(model, adapters_by_family, args, device, n: int, batch: int, cache: 
     return row
 
 
-def human_n(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def markdown(record: dict) -> str:
     meta = record["meta"]
     tp = meta.get("tensor_parallel", 1)
@@ -533,10 +526,7 @@ def markdown(record: dict) -> str:
 
 
 def render(json_path: str) -> dict:
-    with open(json_path) as f:
-        record = json.load(f)
-    common.write_text(json_path[: -len(".json")] + ".md", markdown(record))
-    return record
+    return common.render_markdown(json_path, markdown)
 
 
 def build(args, config):

@@ -39,7 +39,7 @@ transformers decides CUDA graphs and async batching from the attention: on for f
 implementations it builds masks for or does not know (``paged|sdpa``, ``paged|hashattention``); rows
 record the result, and ``--cuda-graphs on|off`` forces one setting for every method.
 
-An untimed session of the same requests, with prompts cut to ``--warmup-prompt-tokens`` and 4 new
+An untimed round of the same requests, with prompts cut to ``--warmup-prompt-tokens`` and 4 new
 tokens, runs first in every row (``--no-warmup`` skips it).
 
 Results: ``benchmarks/results/serving_<gpu>.{json,md}``, rewritten after every row; ``--merge`` adds rows
@@ -70,7 +70,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.decode_loop import build_adapters, build_model, int_list, model_config
-from benchmarks.generate import fmt, human_n
+from benchmarks.decode_loop_report import fmt, human_n
 from benchmarks.generate import parse_method as parse_generate_method
 
 BENCHMARK = "serving"
@@ -93,8 +93,8 @@ def parse_args(argv=None):
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                         help="ContinuousBatchingConfig.use_cuda_graph: auto = transformers' choice (on for flash "
                              "attention only), on / off = forced for every method")
-    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed session before each row")
-    parser.add_argument("--warmup-prompt-tokens", type=int, default=512, help="prompt length of the untimed session")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed round before each row")
+    parser.add_argument("--warmup-prompt-tokens", type=int, default=512, help="prompt length of the untimed round")
     parser.add_argument("--sink", type=int, default=128)
     parser.add_argument("--local", type=int, default=128)
     parser.add_argument("--sparse-prompt-tokens", type=int, default=128)
@@ -162,7 +162,7 @@ def cache_bytes(cache) -> dict:
             "kv_bytes_per_token": kv / slots, "signature_bytes_per_token": signatures / slots}
 
 
-# ---- one session ----------------------------------------------------------------------------------------
+# ---- one round ------------------------------------------------------------------------------------------
 
 def dense_attention(device) -> str:
     """The paged dense attention of a dense row: flash attention 2 on CUDA where it imports, else SDPA."""
@@ -223,9 +223,9 @@ def quantile(values: List[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def timing(session: dict) -> dict:
-    """tokens/s, token latency and TTFT of a finished session (see the module docstring)."""
-    submitted, outputs = session["submitted"], session["outputs"]
+def timing(round_: dict) -> dict:
+    """tokens/s, token latency and TTFT of a finished round of requests (see the module docstring)."""
+    submitted, outputs = round_["submitted"], round_["outputs"]
     gaps, ttfts, last, generated = [], [], submitted, 0
     for output in outputs:
         stamps = output.timestamps or []
@@ -288,13 +288,13 @@ def run_row(model, adapters_by_family: Dict, args, device, prompt: int, requests
         release(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        session = serve(model, inputs, args.new_tokens, settings, args.result_timeout_s, measure_cache=True)
+        measured = serve(model, inputs, args.new_tokens, settings, args.result_timeout_s, measure_cache=True)
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-        row.update(timing(session))
-        row["cache"] = session["config"]
-        row["attention"] = session["config"]["attention"]
-        row.update(session["bytes"])
-        row["tokens"] = [list(map(int, o.generated_tokens)) for o in session["outputs"]]
+        row.update(timing(measured))
+        row["cache"] = measured["config"]
+        row["attention"] = measured["config"]["attention"]
+        row.update(measured["bytes"])
+        row["tokens"] = [list(map(int, o.generated_tokens)) for o in measured["outputs"]]
     except (torch.cuda.OutOfMemoryError, MemoryError) as error:  # MemoryError: transformers' cache sizing check
         row["skipped"] = f"out of memory: {str(error).splitlines()[0][:160]}"
     finally:
@@ -333,7 +333,7 @@ def markdown(record: dict) -> str:
         "(last token - submission); latency = gaps between a request's consecutive tokens, pooled; TTFT = a "
         "request's first token - its creation; KV / sig. B/token = the paged cache's K/V and signature-page bytes "
         "per cache slot (totals in GB); cache = block size x blocks (max batch tokens); peak = most GPU memory "
-        "allocated during the session; an untimed session with short prompts runs first"
+        "allocated during the timed round; an untimed round with short prompts runs first"
         + (" (not in this run)." if meta.get("no_warmup") else "."),
         f"- methods: `dense` = the unpatched model with transformers' paged dense attention (column `attention`); "
         f"`hash-<selection>-<s>` = `hashattention.patch` (`paged|hashattention`), windows {meta['sink']} + "
@@ -364,10 +364,7 @@ def markdown(record: dict) -> str:
 
 
 def render(json_path: str) -> dict:
-    with open(json_path) as f:
-        record = json.load(f)
-    common.write_text(json_path[: -len(".json")] + ".md", markdown(record))
-    return record
+    return common.render_markdown(json_path, markdown)
 
 
 def main(argv=None) -> dict:
