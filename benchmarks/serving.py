@@ -64,7 +64,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from transformers.utils import is_torchdynamo_compiling
@@ -215,7 +215,3 @@ def install_deferred_stop_check() -> bool:
     deferred.is_supported = staticmethod(is_supported)
     return True
 
-
-def describe(options: GenerationOptions) -> Dict[str, object]:
-    """The options as a plain dict (for results files)."""
-    return dataclasses.asdict(options)
